@@ -1,0 +1,142 @@
+"""The learner actor: batches of groups -> loss -> optimiser step -> (every ``sync.every`` steps) publish.
+
+The forward/backward pass runs in a worker thread so the event loop keeps streaming rollouts while the
+model trains. The learner owns the weight version: it starts at ``version`` and becomes ``version + 1``
+only once a publication fully succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.actors.weight_sync import WeightSync
+from asyncrl.algorithms.losses import Loss
+from asyncrl.config import LearnerConfig
+from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.metrics import Monitor, NullMonitor
+from asyncrl.queues.rollout_queue import RolloutQueue
+from asyncrl.types import RolloutGroup, SyncTiming
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[[int, dict[str, float]], "Awaitable[None] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int  # optimiser steps done so far (1-based after the first)
+    metrics: Mapping[str, float]
+    train_s: float  # forward + backward + optimiser step, seconds
+    sync: SyncTiming | None  # the publication after this step, if one happened
+
+
+class Learner:
+    """Consumes the queue, trains ``model`` with ``loss``, publishes weights through ``weight_sync``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Loss,
+                 queue: RolloutQueue, weight_sync: WeightSync, config: LearnerConfig | None = None,
+                 monitor: Monitor | None = None, version: int = 0, step: int = 0) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss = loss
+        self.queue = queue
+        self.weight_sync = weight_sync
+        self.config = config or LearnerConfig()
+        self.monitor = monitor or NullMonitor()
+        self.version = version  # weights the engine samples with (and the learner's, after a sync)
+        self.step = step  # optimiser steps taken
+        self.samples_trained = 0  # rollouts that reached the loss
+        self.train_s = 0.0  # total time in optimiser steps (seconds)
+        self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
+
+    async def run(self, steps: int) -> None:
+        """Train until ``self.step == steps``."""
+        while self.step < steps:
+            t0 = time.perf_counter()
+            batch = await self.queue.get_batch(self.config.batch_groups, self.version)
+            wait_s = time.perf_counter() - t0
+            result = await self.train_and_publish(batch)
+            await self.report(result, extra={"learner/wait_s": wait_s})
+
+    async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepResult:
+        """One optimiser step on ``batch``, then a publication if this step is a sync step."""
+        staleness = [g.staleness(self.version) for g in batch]
+        t0 = time.perf_counter()
+        metrics = await asyncio.to_thread(self._train_step, batch)
+        train_s = time.perf_counter() - t0
+        self.step += 1
+        self.train_s += train_s
+        self.samples_trained += sum(len(g.rollouts) for g in batch)
+        self.queue.ledger.trained += len(batch)
+        metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
+        metrics["rollout/staleness_batch_max"] = max(staleness)
+        timing = await self.publish() if self.step % self.config.sync.every == 0 else None
+        return StepResult(self.step, metrics, train_s, timing)
+
+    async def publish(self) -> SyncTiming:
+        timing = await self.weight_sync.publish(state_dict_for_engine(self.model), self.version + 1)
+        self.version += 1
+        return timing
+
+    def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = list(_chunks(batch, self.config.micro_batch_rollouts))
+        total_tokens = sum(g.num_tokens for g in batch) or 1
+        sums: dict[str, float] = {}
+        for chunk in chunks:
+            out = self.loss.compute(self.model, chunk)
+            # Weight each micro-batch by its share of tokens so the step matches one full-batch pass.
+            (out.loss * (out.num_tokens / total_tokens)).backward()
+            for k, v in out.metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * len(chunk) / len(batch)
+        grad_norm = self._clip_and_step()
+        sums["train/grad_norm"] = grad_norm
+        sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return sums
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.max_grad_norm > 0 and params:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        else:
+            norm = float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        if not torch.isfinite(torch.tensor(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.step + 1}; step skipped")
+        self.optimizer.step()
+        return norm
+
+    async def report(self, result: StepResult, extra: Mapping[str, float] | None = None) -> None:
+        """Add pipeline gauges to a step's metrics, run the hooks, and log to the monitor."""
+        metrics = dict(result.metrics)
+        metrics.update(extra or {})
+        metrics["learner/version"] = self.version
+        metrics["learner/train_s"] = result.train_s
+        metrics.update(self.queue.metrics())
+        metrics.update(self.queue.ledger.as_metrics())
+        metrics.update(self.weight_sync.metrics())
+        for hook in self.hooks:
+            maybe = hook(result.step, metrics)
+            if asyncio.iscoroutine(maybe):
+                await maybe
+        self.monitor.log(result.step, metrics)
+
+
+def _chunks(batch: Sequence[RolloutGroup], max_rollouts: int) -> list[list[RolloutGroup]]:
+    """Split whole groups into micro-batches of at most ``max_rollouts`` rollouts (at least one group)."""
+    chunks: list[list[RolloutGroup]] = [[]]
+    count = 0
+    for group in batch:
+        if chunks[-1] and count + len(group.rollouts) > max_rollouts:
+            chunks.append([])
+            count = 0
+        chunks[-1].append(group)
+        count += len(group.rollouts)
+    return chunks

@@ -1,0 +1,17 @@
+"""Advantages, completion scoring and policy losses for the learner."""
+
+from asyncrl.algorithms.advantages import group_advantages
+from asyncrl.algorithms.logprobs import CompletionLogprobs, completion_logprobs
+from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig, LossOutput, k3, policy_loss
+
+__all__ = [
+    "CompletionLogprobs",
+    "GRPOLoss",
+    "Loss",
+    "LossConfig",
+    "LossOutput",
+    "completion_logprobs",
+    "group_advantages",
+    "k3",
+    "policy_loss",
+]

@@ -1,0 +1,289 @@
+"""The policy loss: a clipped surrogate on a proximal policy, corrected for stale behaviour samples.
+
+Three policies meet here. The *behaviour* policy sampled the tokens (an engine holding weights that may be
+several versions old; its log-probs travel in ``Rollout.behaviour_logprobs``). The *proximal* policy is the
+anchor of the trust region: the learner's weights at the start of the optimiser step, detached. The
+*current* policy is the one being differentiated. Following AReaL's decoupled objective, the ratio that is
+clipped compares current with proximal, so the trust region is measured from weights the learner actually
+had, however stale the samples; the gap between proximal and behaviour is corrected separately by a
+truncated importance weight that carries no gradient.
+
+Per token, with ``r = exp(logp - old_logp)`` and ``w`` the truncated weight::
+
+    term = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3 - entropy_coef * H
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from asyncrl.algorithms.advantages import ESTIMATORS, Estimator, group_advantages
+from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.config import ConfigError
+from asyncrl.types import Rollout, RolloutGroup
+
+LengthNorm = Literal["token_mean", "seq_mean", "dr_grpo"]
+IsLevel = Literal["token", "sequence", "none"]
+LENGTH_NORMS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """The policy loss. Defaults: GRPO advantages, DAPO's asymmetric clip, token-level IS truncation."""
+
+    estimator: Estimator = "grpo"  # baseline: "grpo" (group mean) or "rloo" (mean of the other rollouts)
+    scale_by_std: bool = True  # divide advantages by the group's reward std (False with "grpo" = Dr. GRPO)
+    length_norm: LengthNorm = "token_mean"  # how per-token terms become a scalar (see ``normalise``)
+    max_tokens: int = 0  # per-sequence token budget, the "dr_grpo" denominator (set to sampling max_tokens)
+    clip_low: float = 0.2  # the ratio to the proximal policy is clipped below at 1 - clip_low
+    clip_high: float = 0.28  # ... and above at 1 + clip_high (a higher top keeps rare tokens learnable)
+    is_level: IsLevel = "token"  # proximal/behaviour importance weight per token, per sequence, or none
+    is_cap: float = 2.0  # importance weights are truncated at this value (math.inf = no truncation)
+    kl_coef: float = 0.0  # weight of the k3 KL penalty towards a frozen reference (0 = no reference)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (0 = entropy is not computed)
+    temperature: float = 1.0  # logits are divided by this before scoring; use the sampling temperature
+
+    def __post_init__(self) -> None:
+        _check(self.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}, got {self.estimator!r}")
+        _check(isinstance(self.scale_by_std, bool), "scale_by_std", f"must be a bool, got {self.scale_by_std!r}")
+        _check(self.length_norm in LENGTH_NORMS, "length_norm",
+               f"must be one of {LENGTH_NORMS}, got {self.length_norm!r}")
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+               and self.max_tokens >= 0, "max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
+        _check(self.length_norm != "dr_grpo" or self.max_tokens > 0, "max_tokens",
+               "must be > 0 with length_norm='dr_grpo' (it is the constant per-sequence denominator)")
+        _check(0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1), got {self.clip_low!r}")
+        _check(0 <= self.clip_high < math.inf, "clip_high", f"must be finite and >= 0, got {self.clip_high!r}")
+        _check(self.is_level in IS_LEVELS, "is_level", f"must be one of {IS_LEVELS}, got {self.is_level!r}")
+        _check(self.is_cap > 0, "is_cap", f"must be > 0 (math.inf disables truncation), got {self.is_cap!r}")
+        _check(0 <= self.kl_coef < math.inf, "kl_coef", f"must be finite and >= 0, got {self.kl_coef!r}")
+        _check(0 <= self.entropy_coef < math.inf, "entropy_coef",
+               f"must be finite and >= 0, got {self.entropy_coef!r}")
+        _check(0 < self.temperature < math.inf, "temperature", f"must be finite and > 0, got {self.temperature!r}")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"LossConfig.{name}", message)
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutput:
+    """What a loss hands the learner for one (micro-)batch."""
+
+    loss: Tensor  # scalar with grad, already normalised per ``LossConfig.length_norm``
+    metrics: Mapping[str, float]  # ``loss/*`` and ``train/*`` gauges of this batch
+    num_tokens: int  # completion tokens scored, for weighting micro-batches against each other
+
+
+class Loss(Protocol):
+    """A training objective over rollout groups."""
+
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
+        """Score ``groups`` under ``model`` and return a loss to backpropagate. Called by the learner once
+        per micro-batch; a micro-batch holds whole groups, so group baselines are never split."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+
+
+def importance_weights(
+    old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, level: IsLevel, cap: float
+) -> tuple[Tensor, Tensor]:
+    """Truncated proximal/behaviour weights ``[B, T]`` and a float flag of where the cap bit, both detached.
+
+    ``"sequence"`` uses the product of the token ratios, ``exp(sum_t log_ratio)``, broadcast to tokens.
+    The cap is applied in log space, so a huge sequence ratio saturates at ``cap`` instead of overflowing.
+    """
+    log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
+    if level == "none":
+        return torch.ones_like(log_ratio), torch.zeros_like(log_ratio)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(mask)
+    log_cap = math.log(cap)
+    return log_ratio.clamp(max=log_cap).exp(), (log_ratio > log_cap).float()
+
+
+def clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """``min(r A, clip(r) A)`` per token, and a float flag of where the clipped side won (zero gradient)."""
+    ratio = torch.exp(logp - old_logp.detach())
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """Schulman's k3 KL estimator ``exp(x) - x - 1`` with ``x = log(p / q)`` at a sample from ``q``:
+    unbiased for ``KL(q || p)``, never negative, and lower-variance than ``-x``."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """Reduce ``[B, T]`` terms to a scalar.
+
+    - ``token_mean``: sum over every token / number of tokens (long sequences weigh more in total).
+    - ``seq_mean``: mean over each sequence's tokens, then over sequences that have any (GRPO's original).
+    - ``dr_grpo``: sum over every token / (B * max_tokens), a constant, so no length bias enters the gradient.
+    """
+    total = (per_token * mask).sum()
+    if cfg.length_norm == "token_mean":
+        return total / mask.sum().clamp(min=1)
+    if cfg.length_norm == "dr_grpo":
+        return total / (mask.shape[0] * cfg.max_tokens)
+    lengths = mask.sum(dim=-1)
+    per_sequence = (per_token * mask).sum(dim=-1) / lengths.clamp(min=1)
+    return per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean over real tokens, as a float (0.0 when there are none)."""
+    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    behaviour_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics.
+
+    ``logp`` (current, with grad), ``old_logp`` (proximal; pass ``logp.detach()`` when the learner has no
+    separate one), ``behaviour_logp``, ``ref_logp``, ``entropy`` and ``mask`` are ``[B, T]``;
+    ``advantages`` is ``[B]``. Values at padding are ignored.
+    """
+    _check_shapes(logp, old_logp, behaviour_logp, advantages, mask, ref_logp, entropy, cfg)
+    mask = mask.to(logp.dtype)
+    logp = torch.where(mask > 0, logp, old_logp.detach())  # padding gets ratio 1 whatever it holds
+    weight, truncated = importance_weights(old_logp, behaviour_logp, mask, cfg.is_level, cfg.is_cap)
+    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages[:, None], cfg.clip_low, cfg.clip_high)
+    policy = normalise(-(weight * surrogate), mask, cfg)
+    loss = policy
+    behaviour_log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
+    metrics = {
+        "loss/policy": float(policy.detach()),
+        "loss/clip_frac": masked_mean(clipped, mask),
+        "loss/is_trunc_frac": masked_mean(truncated, mask),
+        "loss/is_weight_mean": masked_mean(weight, mask),
+        "loss/ratio_behaviour_mean": masked_mean(behaviour_log_ratio.exp(), mask),
+        "loss/approx_kl_behaviour": masked_mean(k3(behaviour_log_ratio), mask),
+    }
+    if ref_logp is not None:
+        kl = k3(torch.where(mask > 0, ref_logp.detach() - logp, 0.0))
+        loss = loss + cfg.kl_coef * normalise(kl, mask, cfg)
+        metrics["loss/kl"] = masked_mean(kl, mask)
+    if entropy is not None:
+        loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg)
+        metrics["loss/entropy"] = masked_mean(entropy, mask)
+    metrics["loss/total"] = float(loss.detach())
+    return loss, metrics
+
+
+def _check_shapes(
+    logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor,
+    ref_logp: Tensor | None, entropy: Tensor | None, cfg: LossConfig,
+) -> None:
+    named = {"old_logp": old_logp, "behaviour_logp": behaviour_logp, "mask": mask,
+             "ref_logp": ref_logp, "entropy": entropy}
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [batch, tokens], got shape {tuple(logp.shape)}")
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [{logp.shape[0]}] (one per sequence), got {tuple(advantages.shape)}")
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError("LossConfig.kl_coef > 0 needs ref_logp")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("LossConfig.entropy_coef > 0 needs entropy")
+
+
+# ------------------------------------------------------------------------------------------------ GRPOLoss
+
+
+class GRPOLoss:
+    """GRPO / RLOO / Dr. GRPO advantages under the decoupled objective; implements ``Loss``."""
+
+    def __init__(self, cfg: LossConfig, *, pad_id: int = 0, ref_model: torch.nn.Module | None = None) -> None:
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("LossConfig.kl_coef > 0 needs a ref_model")
+        self.cfg = cfg  # the loss settings
+        self.pad_id = pad_id  # token id used for padding; any id inside the vocabulary works
+        self.ref_model = ref_model  # frozen reference for the KL term; scored without grad
+
+    def compute(
+        self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, proximal_logp: Tensor | None = None
+    ) -> LossOutput:
+        """Loss of ``groups`` under ``model``.
+
+        ``proximal_logp`` ``[B, T]`` (rollouts in group order) is for learners that take several optimiser
+        steps per batch; without it the proximal policy is the current one, detached (ratio 1, no clipping;
+        the importance weight still corrects for staleness).
+        """
+        rollouts = _rollouts_of(groups)
+        prompts = [r.prompt_ids for r in rollouts]
+        completions = [r.completion_ids for r in rollouts]
+        scored = completion_logprobs(model, prompts, completions, temperature=self.cfg.temperature,
+                                     pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0)
+        device = scored.logprobs.device
+        advantages = self.advantages(groups).to(device)
+        behaviour = _padded([r.behaviour_logprobs for r in rollouts], scored.mask.shape[1], device)
+        old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
+        loss, metrics = policy_loss(scored.logprobs, old, behaviour, advantages, scored.mask, self.cfg,
+                                    ref_logp=self._ref_logprobs(prompts, completions), entropy=scored.entropy)
+        metrics.update(_batch_metrics(rollouts, advantages))
+        return LossOutput(loss=loss, metrics=metrics, num_tokens=int(scored.mask.sum()))
+
+    def advantages(self, groups: Sequence[RolloutGroup]) -> Tensor:
+        """One advantage per rollout ``[B]``, each group normalised on its own (sizes may differ)."""
+        per_group = [
+            group_advantages(torch.tensor([g.rewards], dtype=torch.float32), self.cfg.estimator,
+                             self.cfg.scale_by_std)[0]
+            for g in groups
+        ]
+        return torch.cat(per_group)
+
+    def _ref_logprobs(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]]) -> Tensor | None:
+        if self.ref_model is None:
+            return None
+        with torch.no_grad():
+            return completion_logprobs(self.ref_model, prompts, completions, temperature=self.cfg.temperature,
+                                       pad_id=self.pad_id).logprobs
+
+
+def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:
+    for g in groups:
+        if not g.rollouts:
+            raise ValueError(f"group {g.group_id} has no rollouts")
+    if not groups:
+        raise ValueError("compute needs at least one group")
+    return [r for g in groups for r in g.rollouts]
+
+
+def _padded(rows: Sequence[Sequence[float]], width: int, device: torch.device) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
+    return out.to(device)
+
+
+def _batch_metrics(rollouts: Sequence[Rollout], advantages: Tensor) -> dict[str, float]:
+    return {
+        "train/reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
+        "train/adv_abs_mean": float(advantages.abs().mean()),
+        "train/completion_len_mean": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
+    }

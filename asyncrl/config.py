@@ -1,0 +1,168 @@
+"""Validated configuration. Every field is checked at construction; errors name the field."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, fields
+
+from asyncrl.types import PauseMode
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``field`` names it as ``Section.field``."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _require(ok: bool, owner: object, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{type(owner).__name__}.{name}", message)
+
+
+def _positive_ints(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            obj, name, f"must be a positive integer, got {value!r}",
+        )
+
+
+def _coerce_enum(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
+    value = getattr(obj, name)
+    try:
+        object.__setattr__(obj, name, enum_cls(value))
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_cls)
+        raise ConfigError(f"{type(obj).__name__}.{name}", f"must be one of {allowed}, got {value!r}") from None
+
+
+class AbortPolicy(str, enum.Enum):
+    """What the producer does with samples cut by an ``abort`` pause."""
+
+    RESUBMIT = "resubmit"  # sample them again under the new weights; the group is kept
+    DROP = "drop"  # drop the whole group, counted as ``DropReason.ABORTED``
+
+
+class InvalidGroupPolicy(str, enum.Enum):
+    """What happens to a group whose prompt or reward is invalid."""
+
+    DROP = "drop"  # drop it with a counted reason and carry on
+    FAIL = "fail"  # stop the run with an error naming the group
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How each group is sampled."""
+
+    n: int = 8  # completions per prompt (the GRPO group size)
+    max_tokens: int = 16  # completion length limit, in tokens
+    temperature: float = 1.0  # sampling temperature; the learner scores with the same one
+    top_p: float = 1.0  # nucleus sampling mass (1.0 = off; keep 1.0 for exact importance ratios)
+    seed: int | None = None  # base seed for reproducible sampling; None = engine's randomness
+    ignore_eos: bool = False  # keep sampling past end-of-sequence (fixed-length runs in benchmarks and tests)
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "n", "max_tokens")
+        _require(math.isfinite(self.temperature) and self.temperature > 0, self, "temperature",
+                 f"must be > 0, got {self.temperature!r}")
+        _require(0 < self.top_p <= 1, self, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerConfig:
+    """One producer actor."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_inflight_groups: int = 4  # groups being generated or scored at once by this producer
+    on_abort: AbortPolicy = AbortPolicy.RESUBMIT
+    on_invalid: InvalidGroupPolicy = InvalidGroupPolicy.DROP  # bad prompts, rewards that raise or are NaN
+    max_resubmits: int = 3  # abort-cut samples are sampled again at most this many times, then dropped
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "max_inflight_groups")
+        _coerce_enum(self, "on_abort", AbortPolicy)
+        _coerce_enum(self, "on_invalid", InvalidGroupPolicy)
+        _require(isinstance(self.max_resubmits, int) and self.max_resubmits >= 0, self, "max_resubmits",
+                 f"must be a non-negative integer, got {self.max_resubmits!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """The bounded rollout queue between producers and learner."""
+
+    capacity: int = 16  # groups held at most; producers wait when it is full
+    max_staleness: int = 1  # groups more than this many versions old are dropped, not trained on
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "capacity")
+        _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, self, "max_staleness",
+                 f"must be a non-negative integer, got {self.max_staleness!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncConfig:
+    """How the learner publishes weights to the engine(s)."""
+
+    every: int = 1  # optimiser steps between weight publications
+    mode: PauseMode = PauseMode.KEEP  # pause mode used for every publication
+    clear_cache: bool = True  # reset the prefix/KV cache so no token reuses old-weight KV
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "every")
+        _coerce_enum(self, "mode", PauseMode)
+        _require(isinstance(self.clear_cache, bool), self, "clear_cache", "must be a bool")
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    """The learner actor."""
+
+    batch_groups: int = 4  # rollout groups per optimiser step
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # gradient clipping (<= 0 disables)
+    micro_batch_rollouts: int = 64  # rollouts per forward/backward pass (memory bound)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "batch_groups", "micro_batch_rollouts")
+        _require(math.isfinite(self.lr) and self.lr > 0, self, "lr", f"must be > 0, got {self.lr!r}")
+        _require(self.weight_decay >= 0, self, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """The whole pipeline. Cross-field rules are checked here."""
+
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    num_producers: int = 1  # producer actors sharing the engine(s)
+    shutdown_timeout_s: float = 30.0  # bound on engine shutdown after the run ends or fails
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "num_producers")
+        _require(self.shutdown_timeout_s > 0, self, "shutdown_timeout_s", "must be > 0")
+        _require(
+            self.learner.batch_groups <= self.queue.capacity, self, "learner.batch_groups",
+            f"a batch of {self.learner.batch_groups} groups cannot fit a queue of capacity "
+            f"{self.queue.capacity} (QueueConfig.capacity)",
+        )
+
+
+def describe(obj: object) -> dict[str, object]:
+    """A JSON-friendly dict of a config tree, for logs and result files."""
+    out: dict[str, object] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if hasattr(value, "__dataclass_fields__"):
+            out[f.name] = describe(value)
+        elif isinstance(value, enum.Enum):
+            out[f.name] = value.value
+        else:
+            out[f.name] = value
+    return out

@@ -1,0 +1,132 @@
+"""An in-memory engine for fast unit tests and the queue micro-benchmark.
+
+It follows the Engine Protocol's pause semantics: ``abort`` cuts in-flight samples, ``keep`` freezes them
+until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
+once), each with log-prob ``logprob``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
+
+
+class FakeEngine:
+    def __init__(self, *, token_delay_s: float = 0.0, max_model_len: int = 256, logprob: float = -1.0,
+                 vocab_size: int = 100, name: str = "fake") -> None:
+        self.name = name
+        self._version = 0
+        self._max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.logprob = logprob
+        self.vocab_size = vocab_size
+        self._running = asyncio.Event()  # set while not paused
+        self._running.set()
+        self._abort_epoch = 0  # bumped by every abort pause; samples started before it are cut
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.weights: Mapping[str, object] = {}
+        self.alive = True
+        self.closed = False
+        self.requests = 0  # generate calls served
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        if not prompt_ids:
+            raise PromptRejected("empty prompt")
+        if len(prompt_ids) >= self._max_model_len:
+            raise PromptRejected(f"prompt of {len(prompt_ids)} tokens exceeds context {self._max_model_len}")
+        self.requests += 1
+        count = params.n if n is None else n
+        return [await self._one(prompt_ids, params, i) for i in range(count)] if not self.token_delay_s \
+            else list(await asyncio.gather(*(self._one(prompt_ids, params, i) for i in range(count))))
+
+    async def _one(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int) -> Sample:
+        await self._running.wait()
+        self._enter()
+        try:
+            return await self._decode(prompt_ids, params, index)
+        finally:
+            self._leave()
+
+    async def _decode(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int) -> Sample:
+        epoch = self._abort_epoch
+        tokens: list[int] = []
+        spans: list[VersionSpan] = []
+        for t in range(params.max_tokens):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if not self._running.is_set():
+                if self._abort_epoch != epoch:
+                    return self._sample(tokens, spans, FinishReason.ABORT)
+                self._leave()  # keep: frozen requests do not hold a ``wait`` pause
+                await self._running.wait()
+                self._enter()
+            self._check_alive()
+            tokens.append((sum(prompt_ids) + index + t) % self.vocab_size)
+            _extend(spans, self._version, len(tokens))
+        return self._sample(tokens, spans, FinishReason.LENGTH)
+
+    def _sample(self, tokens: list[int], spans: list[VersionSpan], reason: FinishReason) -> Sample:
+        return Sample(tuple(tokens), tuple([self.logprob] * len(tokens)), reason, tuple(spans),
+                      text=" ".join(map(str, tokens)))
+
+    def _enter(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._check_alive()
+        self._running.clear()
+        if PauseMode(mode) is PauseMode.ABORT:
+            self._abort_epoch += 1
+        elif PauseMode(mode) is PauseMode.WAIT:
+            self._running.set()  # let in-flight samples run to the end, then hold new ones
+            await self._idle.wait()
+            self._running.clear()
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        self._check_alive()
+        if any(not hasattr(t, "shape") for t in update.tensors.values()):
+            raise WeightUpdateError("fake engine: every value must be a tensor")
+        self.weights = dict(update.tensors)
+        self._version = update.version
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineError(self.name, "fake engine marked dead")
+
+    async def check_alive(self) -> None:
+        self._check_alive()
+
+    async def close(self) -> None:
+        self.closed = True
+        self._running.set()
+
+
+def _extend(spans: list[VersionSpan], version: int, end: int) -> None:
+    if spans and spans[-1].version == version:
+        spans[-1] = VersionSpan(version, spans[-1].start, end)
+    else:
+        spans.append(VersionSpan(version, end - 1, end))

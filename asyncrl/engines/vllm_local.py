@@ -1,0 +1,296 @@
+"""The Engine Protocol over an in-process vLLM ``AsyncLLM`` (vLLM 0.26 and newer, CPU and GPU).
+
+Weights are published through vLLM's layerwise reload (``reload_weights`` on every worker), the path that
+works on CPU (where ``load_weights`` after start-up has no effect) and on GPU. Version tags come from the
+engine itself where vLLM stamps outputs (0.32+); on older vLLM they are tracked here from streamed deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import ConfigError, SamplingConfig
+from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.weights import read_manifest, stage, torch_dtype, validate_update
+from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMEngineConfig:
+    """How the in-process vLLM engine is built."""
+
+    model: str  # local model directory (config.json, tokenizer and *.safetensors)
+    dtype: str = "auto"  # weights dtype in the engine ("auto" = the checkpoint's)
+    max_model_len: int = 256  # prompt + completion tokens per sequence
+    max_num_seqs: int = 64  # sequences scheduled at once
+    kv_cache_gib: float = 1.0  # KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes)
+    gpu_memory_utilization: float = 0.3  # GPU only, used when kv_cache_gib <= 0
+    enforce_eager: bool = True  # skip torch.compile / CUDA graphs (fast start, tiny models)
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields, passed as is
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ConfigError("VLLMEngineConfig.model", f"model directory {self.model!r} does not exist")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ConfigError("VLLMEngineConfig.model", f"{self.model!r} has no config.json")
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"VLLMEngineConfig.{name}", f"must be a positive integer, got {value!r}")
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _engine_args(cfg: VLLMEngineConfig) -> Any:
+    from vllm import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+        # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
+        logprobs_mode="processed_logprobs",
+        use_tqdm_on_load=False,  # a progress bar per weight sync is noise
+    )
+    if _is_cpu_platform():
+        # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
+    elif cfg.kv_cache_gib > 0:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    kwargs.update(cfg.extra)
+    return AsyncEngineArgs(**kwargs)
+
+
+class _Spans:
+    """Per-token version spans built from streamed deltas (for vLLM without engine-side stamps)."""
+
+    def __init__(self) -> None:
+        self.spans: list[VersionSpan] = []
+
+    def add(self, version: int, start: int, end: int) -> None:
+        if end <= start:
+            return
+        if self.spans and self.spans[-1].version == version and self.spans[-1].end == start:
+            self.spans[-1] = VersionSpan(version, self.spans[-1].start, end)
+        else:
+            self.spans.append(VersionSpan(version, start, end))
+
+
+class VLLMEngine:
+    """``Engine`` over an ``AsyncLLM`` living in this process's event loop."""
+
+    def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm") -> None:
+        self._llm = llm
+        self._cfg = cfg
+        self.name = name
+        self._version = 0
+        self._stamps = hasattr(llm, "update_weight_version")  # vLLM 0.32+: engine stamps outputs
+        self._manifest = read_manifest(cfg.model)
+        self._good_weights: Path = Path(cfg.model)  # last weights fully loaded (restored on failure)
+        self._staged: Path | None = None  # our staging dir holding _good_weights, deleted when replaced
+        self._closed = False
+
+    @classmethod
+    async def start(cls, cfg: VLLMEngineConfig, name: str = "vllm") -> VLLMEngine:
+        """Start the engine. Blocking start-up runs in a thread so the event loop keeps serving."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = _engine_args(cfg)
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        engine = cls(llm, cfg, name)
+        try:
+            if engine._stamps:
+                await llm.update_weight_version("0")
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._cfg.max_model_len
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM``, for callers that need vLLM-specific features."""
+        return self._llm
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingConfig, index: int, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+            seed=None if params.seed is None else params.seed + index, logprobs=0, ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        if not prompt_ids:
+            raise PromptRejected("empty prompt")
+        room = self._cfg.max_model_len - len(prompt_ids)
+        if room <= 0:
+            raise PromptRejected(f"prompt of {len(prompt_ids)} tokens leaves no room in a context of "
+                                 f"{self._cfg.max_model_len}")
+        self._raise_if_dead()
+        max_tokens = min(params.max_tokens, room)
+        count = params.n if n is None else n
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, i, max_tokens),
+                                              f"{request_id}-{i}"))
+                     for i in range(count)]
+        return [t.result() for t in tasks]
+
+    async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
+        # vLLM aborts the request itself when this generator is closed by cancellation.
+        spans = _Spans()
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp, request_id=request_id):
+            comp = out.outputs[0]
+            if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
+                spans.add(self._version, len(token_ids), len(token_ids) + len(comp.token_ids))
+                text.append(comp.text)
+            else:
+                token_ids.clear(), logprobs.clear()
+            token_ids.extend(comp.token_ids)
+            logprobs.extend(_sampled_logprobs(comp))
+            final = comp
+        if final is None:
+            raise EngineError(self.name, f"request {request_id} ended without output")
+        version_spans = _stamped_spans(final) if self._stamps else tuple(spans.spans)
+        return Sample(
+            token_ids=tuple(token_ids), logprobs=tuple(logprobs), finish_reason=_finish_reason(final),
+            version_spans=version_spans, text=final.text if self._stamps else "".join(text),
+        )
+
+    # -- weight publication ----------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._raise_if_dead()
+        await self._llm.pause_generation(mode=PauseMode(mode).value, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        self._raise_if_dead()
+        await self._llm.resume_generation()
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        validate_update(update.tensors, self._manifest)
+        dtype = torch_dtype(next(iter(self._manifest.values())).dtype) if self._cfg.dtype == "auto" \
+            else _dtype_from_name(self._cfg.dtype)
+        staged = await asyncio.to_thread(stage, update.tensors, dtype)
+        try:
+            await self._reload(staged)
+        except BaseException as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            await self._restore_after_failed_reload(exc)
+            raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc!r}); previous weights "
+                                    f"restored, version stays {self._version}") from exc
+        await self._set_version(update.version)
+        self._replace_good_weights(staged)
+
+    async def _reload(self, weights_dir: Path) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+
+    async def _restore_after_failed_reload(self, exc: BaseException) -> None:
+        # A reload that fails part-way can leave some layers new and some old; a full reload of the last
+        # good weights puts every layer back.
+        log.error("weight reload failed on %s (%r); restoring %s", self.name, exc, self._good_weights)
+        try:
+            await asyncio.shield(self._reload(self._good_weights))
+        except Exception as restore_exc:
+            raise EngineError(self.name, f"weight reload failed and restoring the previous weights failed "
+                                         f"too ({restore_exc!r}); the engine's weights are undefined") from exc
+
+    async def _set_version(self, version: int) -> None:
+        if self._stamps:
+            await self._llm.update_weight_version(str(version))
+        self._version = version
+
+    def _replace_good_weights(self, staged: Path) -> None:
+        if self._staged is not None:
+            shutil.rmtree(self._staged, ignore_errors=True)
+        self._staged = self._good_weights = staged
+
+    # -- health and shutdown ---------------------------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        if self._closed:
+            raise EngineError(self.name, "engine is closed")
+        if self._llm.errored:
+            raise EngineError(self.name, "engine core process died or its output loop failed")
+
+    async def check_alive(self) -> None:
+        self._raise_if_dead()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        t0 = time.monotonic()
+        try:
+            await asyncio.shield(asyncio.to_thread(self._llm.shutdown))
+            # Drop our reference now: AsyncLLM.__del__ at interpreter exit would shut down again and fail.
+            self._llm = _ClosedLLM()
+        finally:
+            if self._staged is not None:
+                shutil.rmtree(self._staged, ignore_errors=True)
+            log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
+
+
+class _ClosedLLM:
+    """Stands in for a shut-down AsyncLLM so late calls fail with a clear error."""
+
+    errored = True
+
+
+def _sampled_logprobs(comp: Any) -> list[float]:
+    if comp.logprobs is None:
+        raise EngineError("vllm", "engine returned no log-probs (logprobs=0 was requested)")
+    return [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs)]
+
+
+def _stamped_spans(comp: Any) -> tuple[VersionSpan, ...]:
+    spans = comp.weight_versions or []
+    return tuple(VersionSpan(int(s.version), s.start, s.end) for s in spans if s.end > s.start)
+
+
+def _finish_reason(comp: Any) -> FinishReason:
+    reason = comp.finish_reason
+    if reason == "abort":
+        return FinishReason.ABORT
+    if reason == "length":
+        return FinishReason.LENGTH
+    return FinishReason.STOP
+
+
+def _dtype_from_name(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16}[name]

@@ -1,0 +1,1 @@
+"""Verifiable tasks with exact reward checks (the demo task lives here)."""
