@@ -20,6 +20,7 @@ from typing import Any
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import read_manifest, stage, torch_dtype, validate_update
+from asyncrl.engines.worker_ext import EXTENSION as WORKER_EXTENSION
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def _engine_args(cfg: VLLMEngineConfig) -> Any:
         # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
         logprobs_mode="processed_logprobs",
         use_tqdm_on_load=False,  # a progress bar per weight sync is noise
+        worker_extension_cls=WORKER_EXTENSION,  # reload that keeps tied weights tied
     )
     if _is_cpu_platform():
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
@@ -115,6 +117,7 @@ class VLLMEngine:
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         engine = cls(llm, cfg, name)
         try:
+            await llm.collective_rpc("asyncrl_record_ties")
             if engine._stamps:
                 await llm.update_weight_version("0")
         except BaseException:
@@ -215,7 +218,7 @@ class VLLMEngine:
         self._replace_good_weights(staged)
 
     async def _reload(self, weights_dir: Path) -> None:
-        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+        await self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)})
 
     async def _restore_after_failed_reload(self, exc: BaseException) -> None:
         # A reload that fails part-way can leave some layers new and some old; a full reload of the last

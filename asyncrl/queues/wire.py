@@ -152,9 +152,15 @@ def _rollout(obj: Any, path: str, group_id: str) -> Rollout:
 
 
 def _spans(obj: Any, path: str, num_tokens: int) -> tuple[VersionSpan, ...]:
-    """Spans must tile ``[0, num_tokens)`` in order, each non-empty, versions never going back."""
+    """Spans must tile ``[0, num_tokens)`` in order, each non-empty, versions never going back. An empty
+    completion may carry one empty span ``[v, 0, 0]``: the producer records the version it was sampled under."""
+    items = _list(obj, path)
+    if num_tokens == 0 and len(items) == 1:
+        d = _fields(items[0], f"{path}[0]", _SPAN_KEYS)
+        if d["start"] == 0 and d["end"] == 0 and type(d["start"]) is int and type(d["end"]) is int:
+            return (VersionSpan(_version(d["version"], f"{path}[0].version"), 0, 0),)
     spans: list[VersionSpan] = []
-    for i, item in enumerate(_list(obj, path)):
+    for i, item in enumerate(items):
         p = f"{path}[{i}]"
         d = _fields(item, p, _SPAN_KEYS)
         span = VersionSpan(_version(d["version"], f"{p}.version"), _int(d["start"], f"{p}.start"),

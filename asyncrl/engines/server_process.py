@@ -1,0 +1,196 @@
+"""Launch a vLLM OpenAI server as a child process group, and make sure none of it outlives us.
+
+The server (API process) spawns an EngineCore and a worker; all three share the process group created at
+launch, so one ``killpg`` reaches them all, even after the API process itself is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+# What every server we start gets unless the caller's ``env`` says otherwise.
+DEFAULT_ENV: Mapping[str, str] = {
+    "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, weight-transfer endpoints
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it vLLM CPU takes most of the RAM
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """The server command line. ``extra_args`` come last, so a repeated flag overrides the default."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "128", "--enforce-eager",
+        # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
+        "--logprobs-mode", "processed_logprobs",
+        "--dtype", "float32",
+        *extra_args,
+    ]
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (another process may take it before the server binds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc (Linux)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+@dataclass(frozen=True, slots=True)
+class ServerProcess:
+    """A running vLLM server started by ``start_vllm_server``."""
+
+    process: asyncio.subprocess.Process  # the API server; its pid is also the process-group id
+    port: int
+    model_dir: Path
+    log_path: Path  # the server's stdout and stderr
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name the server serves the model under (its ``--model`` path, unless overridden)."""
+        return str(self.model_dir)
+
+    @property
+    def pgid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (what a crash looks like). Does not wait."""
+        _signal_group(self.pgid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left after ``timeout_s``. Idempotent."""
+        _signal_group(self.pgid, signal.SIGTERM)
+        try:
+            await _wait_group_gone(self.process, self.pgid, timeout_s)
+        except TimeoutError:
+            log.warning("vLLM server on port %d ignored SIGTERM for %.0fs; killing its process group",
+                        self.port, timeout_s)
+            _signal_group(self.pgid, signal.SIGKILL)
+            await _wait_group_gone(self.process, self.pgid, 10.0)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+async def _wait_group_gone(process: asyncio.subprocess.Process, pgid: int, timeout_s: float) -> None:
+    """Wait for the API process (an exit event) and then for its descendants, which are not our children:
+    there is no event for their exit, so their group is re-checked every 50 ms until the deadline."""
+    async with asyncio.timeout(timeout_s):
+        await process.wait()
+        while group_members(pgid):
+            await asyncio.sleep(0.05)
+
+
+async def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
+    """Poll GET /health until it answers 200, the process exits, or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    exited = asyncio.ensure_future(server.process.wait())
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while True:
+                if await _health_ok(session, server.base_url):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"vLLM server on port {server.port} not healthy after {timeout_s:.0f}s;"
+                                       f" log tail:\n{server.log_tail()}")
+                done, _ = await asyncio.wait({exited}, timeout=min(0.5, left))
+                if done:
+                    raise RuntimeError(f"vLLM server on port {server.port} exited with code "
+                                       f"{server.process.returncode} during start-up; log tail:\n"
+                                       f"{server.log_tail()}")
+    finally:
+        exited.cancel()
+
+
+async def _health_ok(session: aiohttp.ClientSession, base_url: str) -> bool:
+    try:
+        async with session.get(f"{base_url}/health") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+@asynccontextmanager
+async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Sequence[str] = (),
+                            env: Mapping[str, str] | None = None, startup_timeout_s: float = 240.0,
+                            log_path: str | Path | None = None) -> AsyncIterator[ServerProcess]:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` in its own process group and wait until
+    /health answers. On exit (normal, error or cancellation) the whole group is terminated.
+
+    ``env`` is added to this process's environment on top of ``DEFAULT_ENV``. The log goes to ``log_path``
+    (default: a new file under the temp dir, kept for post-mortems).
+    """
+    full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    with log_path.open("ab") as log_file:
+        # A file, not a pipe: nobody would drain a pipe, and a full pipe blocks the server.
+        process = await asyncio.create_subprocess_exec(
+            *server_args(model_dir, port, extra_args), env=full_env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        )
+    server = ServerProcess(process=process, port=port, model_dir=Path(model_dir), log_path=log_path)
+    log.info("started vLLM server pid %d on port %d (log %s)", process.pid, port, log_path)
+    try:
+        t0 = time.monotonic()
+        await _wait_healthy(server, startup_timeout_s)
+        log.info("vLLM server on port %d healthy after %.1fs", port, time.monotonic() - t0)
+        yield server
+    finally:
+        try:
+            await server.stop()
+        except BaseException:
+            server.kill()  # cancelled or timed out while stopping: leave no orphan behind
+            raise

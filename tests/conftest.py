@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny locally built model and, for tests marked ``vllm``, one real vLLM engine per
+session (an engine belongs to the event loop that created it, so those tests share the session loop)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(CACHE / "vllm"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from asyncrl.tasks import arithmetic
+    from asyncrl.tiny import build_tiny
+
+    return build_tiny(CACHE / "models" / "tiny-arith", arithmetic.corpus())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine(tiny_model_dir: Path):
+    """One real vLLM engine for the session. Tests must not close it; they may publish weights."""
+    from asyncrl.engines.vllm_local import VLLMEngine
+
+    from tests.support import engine_config
+
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir), name="session-vllm")
+    yield engine
+    await engine.close()

@@ -1,0 +1,27 @@
+"""Helpers shared by tests (not fixtures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def engine_config(model_dir: Path, **overrides):
+    from asyncrl.engines.vllm_local import VLLMEngineConfig
+
+    args = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=32)
+    args.update(overrides)
+    return VLLMEngineConfig(**args)
+
+
+def load_hf_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+def child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE}

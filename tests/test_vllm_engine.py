@@ -1,0 +1,174 @@
+"""The in-process vLLM engine on a tiny model: log-probs, version spans, pause modes, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.base import WeightUpdate, WeightUpdateError
+from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.types import FinishReason, PauseMode
+from tests.support import load_hf_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+PARITY_ATOL = 2e-3  # float32 engine vs float32 transformers forward; seen ~1e-5
+
+
+def _prompt(tokenizer, text: str = "12+34=") -> tuple[int, ...]:
+    return tuple(tokenizer(text).input_ids)
+
+
+async def _first_token_seen(engine) -> None:
+    """Returns once the engine has produced a token for a probe request submitted now.
+
+    Requests submitted before the probe are scheduled no later than it, so they are generating too.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.DELTA)
+    async for _ in engine.llm.generate({"prompt_token_ids": [5, 6, 7]}, sp, request_id=f"probe-{id(sp)}"):
+        return
+
+
+async def _publish(engine, model) -> int:
+    """Pause, load ``model``'s weights as the next version, resume. Returns the new version."""
+    version = engine.version + 1
+    await engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await engine.update_weights(WeightUpdate(version, state_dict_for_engine(model)))
+    finally:
+        await engine.resume()
+    return version
+
+
+def _hf_logprobs(model, prompt, samples) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = completion_logprobs(model, [prompt] * len(samples), [s.token_ids for s in samples])
+    return [out.logprobs[i, : len(s.token_ids)] for i, s in enumerate(samples)]
+
+
+def _max_diff(model, prompt, samples) -> float:
+    ref = _hf_logprobs(model, prompt, samples)
+    return max(float((r - torch.tensor(s.logprobs)).abs().max()) for r, s in zip(ref, samples))
+
+
+async def test_generate_returns_logprobs_and_version_spans(vllm_engine, tokenizer):
+    params = SamplingConfig(n=4, max_tokens=8)
+    samples = await vllm_engine.generate(_prompt(tokenizer), params, request_id="gen-basic")
+    assert len(samples) == 4
+    for s in samples:
+        assert 1 <= len(s.token_ids) <= 8
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(lp <= 0.0 for lp in s.logprobs)
+        assert s.version_spans[0].start == 0 and s.version_spans[-1].end == len(s.token_ids)
+        assert {sp.version for sp in s.version_spans} == {vllm_engine.version}
+
+
+async def test_logprob_parity_after_sync(vllm_engine, tiny_model_dir, tokenizer):
+    prompt = _prompt(tokenizer, "7+8=")
+    params = SamplingConfig(n=8, max_tokens=12, ignore_eos=True)
+    learner = load_hf_model(tiny_model_dir)
+    await _publish(vllm_engine, learner)  # engine and learner start equal (earlier tests may have synced)
+    base = await vllm_engine.generate(prompt, params, request_id="parity-base")
+    assert _max_diff(learner, prompt, base) < PARITY_ATOL
+
+    torch.manual_seed(1)
+    with torch.no_grad():  # the learner "trains": its weights move away from the engine's
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stale = await vllm_engine.generate(prompt, params, request_id="parity-stale")
+    before = _max_diff(learner, prompt, stale)
+    assert before > 0.05, f"perturbed learner should disagree with the engine, max diff {before}"
+
+    version = await _publish(vllm_engine, learner)
+    fresh = await vllm_engine.generate(prompt, params, request_id="parity-fresh")
+    after = _max_diff(learner, prompt, fresh)
+    assert after < PARITY_ATOL, f"after sync the engine must match the learner: max diff {after}"
+    assert all(s.version_start == s.version_end == version for s in fresh)
+
+
+async def test_abort_pause_cuts_in_flight_samples(vllm_engine, tokenizer):
+    params = SamplingConfig(n=3, max_tokens=200, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate(_prompt(tokenizer), params, request_id="abort"))
+    await _first_token_seen(vllm_engine)
+    await vllm_engine.pause(PauseMode.ABORT, clear_cache=True)
+    try:
+        samples = await asyncio.wait_for(task, 10)
+    finally:
+        await vllm_engine.resume()
+    for s in samples:
+        assert s.finish_reason is FinishReason.ABORT
+        assert 1 <= len(s.token_ids) < 200, "an abort keeps the tokens produced so far"
+        assert len(s.logprobs) == len(s.token_ids)
+
+
+async def test_keep_pause_freezes_then_continues_under_new_version(vllm_engine, tiny_model_dir, tokenizer):
+    params = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
+    old = vllm_engine.version
+    task = asyncio.create_task(vllm_engine.generate(_prompt(tokenizer), params, request_id="keep"))
+    await _first_token_seen(vllm_engine)
+    await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await vllm_engine.update_weights(WeightUpdate(old + 1, state_dict_for_engine(load_hf_model(tiny_model_dir))))
+        assert not task.done(), "kept requests stay frozen while paused"
+    finally:
+        await vllm_engine.resume()
+    samples = await asyncio.wait_for(task, 30)
+    for s in samples:
+        assert s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 200, "nothing is lost"
+        first, last = s.version_spans[0], s.version_spans[-1]
+        assert (first.version, last.version) == (old, old + 1), s.version_spans
+        assert first.start == 0 and first.end == last.start and last.end == 200
+        assert 0 < first.end < 200, "the pause point splits the completion"
+
+
+async def test_wait_pause_drains_in_flight_samples_under_one_version(vllm_engine, tokenizer):
+    params = SamplingConfig(n=2, max_tokens=120, ignore_eos=True)
+    task = asyncio.create_task(vllm_engine.generate(_prompt(tokenizer), params, request_id="wait"))
+    await _first_token_seen(vllm_engine)
+    version = vllm_engine.version
+    await vllm_engine.pause(PauseMode.WAIT, clear_cache=False)
+    try:
+        assert task.done(), "a wait pause returns only after in-flight requests finished"
+    finally:
+        await vllm_engine.resume()
+    for s in task.result():
+        assert s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 120
+        assert [sp.version for sp in s.version_spans] == [version]
+
+
+async def test_requests_submitted_while_paused_run_after_resume(vllm_engine, tokenizer):
+    await vllm_engine.pause(PauseMode.ABORT, clear_cache=False)
+    try:
+        task = asyncio.create_task(vllm_engine.generate(_prompt(tokenizer), SamplingConfig(n=1, max_tokens=4),
+                                                        request_id="while-paused"))
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        assert not done, "nothing is generated while paused"
+    finally:
+        await vllm_engine.resume()
+    [sample] = await asyncio.wait_for(task, 10)
+    assert sample.finish_reason is not FinishReason.ABORT
+
+
+async def test_bad_updates_are_refused_and_version_stays(vllm_engine, tiny_model_dir, tokenizer):
+    good = state_dict_for_engine(load_hf_model(tiny_model_dir))
+    version = vllm_engine.version
+    name = next(iter(good))
+    bad_cases = {
+        "missing": {k: v for k, v in good.items() if k != name},
+        "shape": {**good, name: good[name][..., :-1]},
+        "nan": {**good, name: torch.full_like(good[name], float("nan"))},
+        "unknown": {**good, "not.a.param": torch.zeros(2)},
+    }
+    for label, tensors in bad_cases.items():
+        with pytest.raises(WeightUpdateError):
+            await vllm_engine.update_weights(WeightUpdate(version + 1, tensors))
+        assert vllm_engine.version == version, label
+    [s] = await vllm_engine.generate(_prompt(tokenizer), SamplingConfig(n=1, max_tokens=4), request_id="after-bad")
+    assert s.version_end == version
