@@ -70,11 +70,14 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:
-                helpers = [tg.create_task(p.run(), name=p.name) for p in self.producers]
-                helpers.append(tg.create_task(self._watch_engine(), name="engine-watchdog"))
+                producers = [tg.create_task(p.run(), name=p.name) for p in self.producers]
+                helpers = [*producers, tg.create_task(self._finish_when_done(producers), name="data-end"),
+                           tg.create_task(self._watch_engine(), name="engine-watchdog")]
                 await tg.create_task(self.learner.run(steps), name="learner")
                 for task in helpers:  # the learner is done: everything else stops now
                     task.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
         return self.stats
@@ -88,9 +91,16 @@ class Pipeline:
                 watchdog = tg.create_task(self._watch_engine(), name="engine-watchdog")
                 await tg.create_task(self._sync_loop(producer, steps), name="sync-loop")
                 watchdog.cancel()
+        except BaseExceptionGroup as group:
+            raise _first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
         return self.stats
+
+    async def _finish_when_done(self, producers: list[asyncio.Task[None]]) -> None:
+        # When every producer has run out of prompts, let the learner drain the queue and stop.
+        await asyncio.wait(producers)
+        await self.queue.finish()
 
     async def _sync_loop(self, producer: Producer, steps: int) -> None:
         size = self.learner.config.batch_groups
@@ -155,3 +165,21 @@ class Pipeline:
                 merged.dropped.update(ledger.dropped)
         return merged
 
+
+
+def _first_cause(group: BaseExceptionGroup) -> BaseException:
+    """The error that stopped the run (the task group also holds the cancellations it caused)."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for exc in leaves:
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return leaves[0]

@@ -20,8 +20,8 @@ from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.metrics import Monitor, NullMonitor
-from asyncrl.queues.rollout_queue import RolloutQueue
-from asyncrl.types import RolloutGroup, SyncTiming
+from asyncrl.queues.rollout_queue import QueueClosed, RolloutQueue
+from asyncrl.types import DropReason, RolloutGroup, SyncTiming
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,11 @@ class Learner:
         """Train until ``self.step == steps``."""
         while self.step < steps:
             t0 = time.perf_counter()
-            batch = await self.queue.get_batch(self.config.batch_groups, self.version)
+            try:
+                batch = await self.queue.get_batch(self.config.batch_groups, self.version)
+            except QueueClosed as exc:
+                log.warning("learner stopping after %d of %d steps: %s", self.step, steps, exc)
+                return
             wait_s = time.perf_counter() - t0
             result = await self.train_and_publish(batch)
             await self.report(result, extra={"learner/wait_s": wait_s})
@@ -68,7 +72,11 @@ class Learner:
         """One optimiser step on ``batch``, then a publication if this step is a sync step."""
         staleness = [g.staleness(self.version) for g in batch]
         t0 = time.perf_counter()
-        metrics = await asyncio.to_thread(self._train_step, batch)
+        try:
+            metrics = await asyncio.to_thread(self._train_step, batch)
+        except BaseException:
+            self.queue.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            raise
         train_s = time.perf_counter() - t0
         self.step += 1
         self.train_s += train_s

@@ -85,6 +85,10 @@ class Producer:
         self.in_flight += 1
         try:
             await self.produce_one(index, prompt)
+        except asyncio.CancelledError:
+            # Shutdown or a failure elsewhere: this group never reaches the queue; count it.
+            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, queued=False)
+            raise
         finally:
             self.in_flight -= 1
             slots.release()

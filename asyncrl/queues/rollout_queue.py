@@ -53,6 +53,7 @@ class RolloutQueue:
         self._items: deque[RolloutGroup] = deque()
         self._changed = asyncio.Condition()
         self._closed = False
+        self._finished = False  # producers are done: the learner drains what is left, then stops
         # Recently accepted group ids, so a retried put is stored once (bounded: retries come soon).
         self._seen_ids: OrderedDict[str, None] = OrderedDict()
 
@@ -95,15 +96,24 @@ class RolloutQueue:
         """Take ``size`` fresh groups (FIFO), dropping stale ones on the way. Waits until they exist."""
         batch: list[RolloutGroup] = []
         t0 = time.monotonic()
-        async with self._changed:
-            while len(batch) < size:
-                await self._changed.wait_for(lambda: bool(self._items) or self._closed)
-                if not self._items:
-                    raise QueueClosed(f"queue closed with {len(batch)} of {size} groups for the batch")
-                self._hand_out(self._items.popleft(), current_version, batch)
-                self._changed.notify_all()
+        try:
+            await self._fill(batch, size, current_version)
+        except asyncio.CancelledError:
+            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            raise
         self.stats.get_wait_s += time.monotonic() - t0
         return batch
+
+    async def _fill(self, batch: list[RolloutGroup], size: int, current_version: int) -> None:
+        async with self._changed:
+            while len(batch) < size:
+                await self._changed.wait_for(lambda: bool(self._items) or self._closed or self._finished)
+                if not self._items:
+                    # Groups taken for this unfinished batch are not trained: count them.
+                    self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+                    raise QueueClosed(f"no more groups: {len(batch)} of {size} for the batch")
+                self._hand_out(self._items.popleft(), current_version, batch)
+                self._changed.notify_all()
 
     def _hand_out(self, group: RolloutGroup, current_version: int, batch: list[RolloutGroup]) -> None:
         if not is_fresh(group, current_version, self.config.max_staleness):
@@ -124,6 +134,12 @@ class RolloutQueue:
                 self.ledger.drop(DropReason.STALE, dropped, queued=True)
                 self._changed.notify_all()
         return dropped
+
+    async def finish(self) -> None:
+        """No more groups will come: the learner takes what is queued, then ``get_batch`` raises."""
+        async with self._changed:
+            self._finished = True
+            self._changed.notify_all()
 
     async def close(self) -> None:
         """Refuse further puts, wake every waiter, and count what is left as unused."""

@@ -1,0 +1,179 @@
+"""The Engine Protocol over several engines: requests spread over the live ones, weight syncs reach all.
+
+Generation goes to the least-loaded member (samples in flight), ties broken round-robin. ``pause``,
+``update_weights`` and ``resume`` run on every live member concurrently; each member's update is
+all-or-nothing on its own, and a failure names the members it happened on. A member that stops answering
+(``check_alive`` fails, or a generate fails and the member then fails ``check_alive``) is reported with an
+``EngineError`` naming it, or, with ``drop_dead=True``, taken out of rotation for good with a warning and
+counted in ``metrics()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.base import Engine, EngineError, WeightUpdate, WeightUpdateError
+from asyncrl.types import PauseMode, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Member:
+    engine: Engine
+    load: int = 0  # samples in flight on this member
+    alive: bool = True  # False once taken out of rotation
+
+
+class EnginePool:
+    """``Engine`` over N engines (e.g. ``RemoteVLLMEngine``s, one per server). Owns them: ``close`` closes all."""
+
+    def __init__(self, engines: Sequence[Engine], *, drop_dead: bool = False, name: str = "pool") -> None:
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EnginePool members need distinct names, got {names}")
+        self.name = name
+        self._members = [_Member(e) for e in engines]
+        self._drop_dead = drop_dead
+        self._turn = 0  # round-robin offset among equally loaded members
+
+    @property
+    def version(self) -> int:
+        """The oldest version among live members (they differ only after a partly failed update)."""
+        return min(m.engine.version for m in self._live_or_all())
+
+    @property
+    def max_model_len(self) -> int:
+        return min(m.engine.max_model_len for m in self._members)
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """Names of the members in rotation."""
+        return tuple(m.engine.name for m in self._members if m.alive)
+
+    def metrics(self) -> dict[str, float]:
+        return {"engine/alive": sum(m.alive for m in self._members),
+                "engine/dead": sum(not m.alive for m in self._members),
+                "engine/inflight_samples": sum(m.load for m in self._members)}
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        count = params.n if n is None else n
+        while True:
+            member = self._pick()
+            member.load += count
+            try:
+                return await member.engine.generate(prompt_ids, params, request_id, n)
+            except EngineError as exc:
+                if not await self._dropped_after(member, exc):
+                    raise
+                # The member is out of rotation: its samples are lost; sample them again on another member.
+            finally:
+                member.load -= count
+
+    def _pick(self) -> _Member:
+        live = [m for m in self._members if m.alive]
+        if not live:
+            raise EngineError(self.name, "no engine left in rotation")
+        self._turn = (self._turn + 1) % len(live)
+        rotated = live[self._turn:] + live[:self._turn]
+        return min(rotated, key=lambda m: m.load)  # min keeps the first of equals: round-robin on ties
+
+    async def _dropped_after(self, member: _Member, exc: BaseException) -> bool:
+        """After ``member`` failed with ``exc``: take it out of rotation if it is dead and ``drop_dead`` is
+        set. True when it is (now) out of rotation."""
+        if not member.alive:
+            return True
+        if not self._drop_dead or not isinstance(exc, EngineError):
+            return False
+        try:
+            await member.engine.check_alive()
+        except EngineError as probe:
+            self._drop(member, probe)
+            return True
+        return False  # alive: the failure was about the request, not the member
+
+    def _drop(self, member: _Member, reason: BaseException) -> None:
+        if not member.alive:
+            return
+        member.alive = False
+        log.warning("engine %s stopped answering (%s); taken out of rotation of %s (%d of %d left)",
+                    member.engine.name, reason, self.name, len(self.live), len(self._members))
+
+    # -- weight publication ----------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        failures = await self._on_all(lambda e: e.pause(mode, clear_cache))
+        self._raise_failures("pause", failures)
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        failures = await self._on_all(lambda e: e.update_weights(update))
+        if not failures:
+            return
+        updated = [m.engine.name for m in self._members if m.alive and m.engine.version == update.version]
+        if all(isinstance(exc, WeightUpdateError) for _, exc in failures):
+            raise WeightUpdateError(
+                f"{self.name}: update to version {update.version} refused by {_names(failures)} "
+                f"({_reasons(failures)}); those kept their weights; updated: {updated}"
+            ) from failures[0][1]
+        self._raise_failures(f"update to version {update.version} (updated: {updated})", failures)
+
+    async def resume(self) -> None:
+        failures = await self._on_all(lambda e: e.resume())
+        self._raise_failures("resume", failures)
+
+    async def _on_all(self, op: Callable[[Engine], Awaitable[None]]) -> list[tuple[_Member, BaseException]]:
+        """Run ``op`` on every live member concurrently; every member runs to the end whatever the others
+        do. Dead members are dropped (``drop_dead``); the other failures are returned."""
+        live = [m for m in self._members if m.alive]
+        if not live:
+            raise EngineError(self.name, "no engine left in rotation")
+        results = await asyncio.gather(*(op(m.engine) for m in live), return_exceptions=True)
+        failures = []
+        for member, result in zip(live, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException) and not await self._dropped_after(member, result):
+                failures.append((member, result))
+        if not self.live:
+            raise EngineError(self.name, "every engine stopped answering")
+        return failures
+
+    def _raise_failures(self, what: str, failures: list[tuple[_Member, BaseException]]) -> None:
+        if not failures:
+            return
+        first_member, first = failures[0]
+        raise EngineError(first_member.engine.name,
+                          f"{self.name}: {what} failed on {_names(failures)}: {_reasons(failures)}") from first
+
+    # -- health and shutdown ---------------------------------------------------------------------------
+
+    async def check_alive(self) -> None:
+        """Check every live member at once. Dead ones are dropped (``drop_dead``) or reported."""
+        failures = await self._on_all(lambda e: e.check_alive())
+        self._raise_failures("health check", failures)
+
+    async def close(self) -> None:
+        results = await asyncio.gather(*(m.engine.close() for m in self._members), return_exceptions=True)
+        for member, result in zip(self._members, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("closing engine %s failed: %r", member.engine.name, result)
+
+    def _live_or_all(self) -> list[_Member]:
+        return [m for m in self._members if m.alive] or self._members
+
+
+def _names(failures: list[tuple[_Member, BaseException]]) -> list[str]:
+    return [m.engine.name for m, _ in failures]
+
+
+def _reasons(failures: list[tuple[_Member, BaseException]]) -> str:
+    return "; ".join(f"{m.engine.name}: {exc}" for m, exc in failures)

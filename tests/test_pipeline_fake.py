@@ -1,0 +1,262 @@
+"""Fast tests of scheduling and accounting with the in-memory FakeEngine (the real engine is in
+test_pipeline_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+import torch
+
+from asyncrl import (
+    AbortPolicy, ConfigError, DropReason, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
+    Prompt, QueueConfig, SamplingConfig, SyncConfig,
+)
+from asyncrl.actors.producer import InvalidGroupError, Producer
+from asyncrl.algorithms.losses import LossOutput
+from asyncrl.data import PromptSource
+from asyncrl.engines.fake import FakeEngine
+from asyncrl.queues.rollout_queue import QueueClosed, RolloutQueue, is_fresh
+from asyncrl.recipes import grpo_pipeline
+from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, VersionSpan
+
+
+
+
+def prompts(count: int, length: int = 3):
+    return [Prompt(f"p{i}", tuple(range(1, length + 1)), answer=i) for i in range(count)]
+
+
+def group(gid: str, version: int) -> RolloutGroup:
+    r = Rollout(gid, (1,), (2,), (-1.0,), 1.0, FinishReason.STOP, (VersionSpan(version, 0, 1),), version, version)
+    return RolloutGroup(gid, Prompt(gid, (1,)), (r,))
+
+
+class RecordingLoss:
+    """A loss that records what reached it (and optionally waits on a gate, to make a slow learner)."""
+
+    def __init__(self, learner_version=lambda: 0, gate: threading.Event | None = None) -> None:
+        self.seen: list[tuple[int, int]] = []  # (learner version, group staleness)
+        self.version = learner_version
+        self.gate = gate
+        self.param = torch.nn.Parameter(torch.zeros(1))
+
+    def compute(self, model, groups):
+        if self.gate is not None:
+            assert self.gate.wait(30), "test gate never opened"
+        v = self.version()
+        self.seen.extend((v, g.staleness(v)) for g in groups)
+        loss = (model.weight.sum() * 0 + sum(r.reward for g in groups for r in g.rollouts) * 0.0)
+        return LossOutput(loss=loss, metrics={"loss/policy": 0.0}, num_tokens=sum(g.num_tokens for g in groups))
+
+
+def tiny_model():
+    return torch.nn.Linear(2, 2)
+
+
+def make_pipeline(engine, items, config, reward=lambda p, s: 1.0, loss=None):
+    model = tiny_model()
+    pipe = grpo_pipeline(engine, model, items, reward, config, loss=loss or RecordingLoss())
+    if isinstance(pipe.learner.loss, RecordingLoss):
+        pipe.learner.loss.version = lambda: pipe.learner.version
+    return pipe
+
+
+def config(**kw) -> PipelineConfig:
+    sampling = SamplingConfig(n=kw.pop("n", 2), max_tokens=kw.pop("max_tokens", 4))
+    return PipelineConfig(
+        producer=ProducerConfig(sampling=sampling, max_inflight_groups=kw.pop("inflight", 4),
+                                on_invalid=kw.pop("on_invalid", InvalidGroupPolicy.DROP),
+                                on_abort=kw.pop("on_abort", AbortPolicy.RESUBMIT)),
+        queue=QueueConfig(capacity=kw.pop("capacity", 8), max_staleness=kw.pop("max_staleness", 1)),
+        learner=LearnerConfig(batch_groups=kw.pop("batch", 2), sync=SyncConfig(every=kw.pop("every", 1))),
+        num_producers=kw.pop("producers", 1),
+    )
+
+
+def test_staleness_rule_is_a_pure_function():
+    assert is_fresh(group("a", 3), current_version=4, max_staleness=1)
+    assert not is_fresh(group("a", 2), current_version=4, max_staleness=1)
+    assert is_fresh(group("a", 4), current_version=4, max_staleness=0)
+
+
+async def test_run_trains_and_accounts_for_every_group():
+    engine = FakeEngine()
+    pipe = make_pipeline(engine, prompts(1000), config(producers=2))
+    stats = await pipe.run(steps=10)
+    assert stats.steps == 10 and stats.version == 10
+    assert stats.groups_trained == 20
+    assert stats.unaccounted == 0
+    assert engine.closed
+    assert engine.weights, "the learner's weights were published"
+
+
+async def test_stale_groups_never_reach_the_loss_and_are_counted():
+    engine = FakeEngine(token_delay_s=0.001)
+    pipe = make_pipeline(engine, prompts(1000), config(max_staleness=0, capacity=8, batch=2, inflight=8))
+    stats = await pipe.run(steps=8)
+    loss = pipe.learner.loss
+    assert loss.seen and all(staleness <= 0 for _, staleness in loss.seen)
+    assert stats.dropped.get(DropReason.STALE.value, 0) > 0, "with staleness 0, queued groups go stale"
+    assert stats.unaccounted == 0
+
+
+async def test_backpressure_blocks_producers_and_bounds_the_queue():
+    gate = threading.Event()
+    engine = FakeEngine()
+    loss = RecordingLoss(gate=gate)
+    pipe = make_pipeline(engine, prompts(10_000), config(capacity=3, batch=2, inflight=4, producers=2), loss=loss)
+    blocked = asyncio.Event()
+    original_put = pipe.queue.put
+
+    async def put(g):
+        if pipe.queue.depth >= pipe.queue.config.capacity:
+            blocked.set()
+        return await original_put(g)
+
+    for p in pipe.producers:
+        p.sink = type("Sink", (), {"put": staticmethod(put)})()
+    run = asyncio.create_task(pipe.run(steps=3))
+    await asyncio.wait_for(blocked.wait(), 10)
+    requests_when_blocked = engine.requests
+    assert pipe.queue.depth == 3
+    # Producers hold at most max_inflight groups each; they cannot run ahead of the full queue.
+    assert requests_when_blocked <= 3 + 2 + 2 * 4
+    gate.set()
+    stats = await asyncio.wait_for(run, 20)
+    assert pipe.queue.stats.max_depth <= 3
+    assert stats.unaccounted == 0
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (lambda p, s: 1 / 0, DropReason.REWARD_ERROR),
+    (lambda p, s: math.nan, DropReason.REWARD_INVALID),
+    (lambda p, s: "1.0", DropReason.REWARD_INVALID),
+    (lambda p, s: None, DropReason.REWARD_INVALID),
+])
+async def test_bad_rewards_are_dropped_with_a_reason(bad, reason):
+    calls = 0
+
+    async def reward(p, s):
+        nonlocal calls
+        calls += 1
+        return bad(p, s) if p.prompt_id == "p0" else 1.0
+
+    pipe = make_pipeline(FakeEngine(), prompts(50), config(), reward=reward)
+    stats = await pipe.run(steps=3)
+    assert stats.dropped.get(reason.value) == 1
+
+
+async def test_bad_prompts_are_dropped_with_a_reason():
+    items = [Prompt("empty", ()), Prompt("long", tuple(range(300)))] + prompts(40)
+    pipe = make_pipeline(FakeEngine(max_model_len=256), items, config())
+    stats = await pipe.run(steps=3)
+    assert stats.dropped[DropReason.EMPTY_PROMPT.value] == 1
+    assert stats.dropped[DropReason.PROMPT_TOO_LONG.value] == 1
+
+
+async def test_fail_fast_policy_stops_the_run_with_the_error():
+    pipe = make_pipeline(FakeEngine(), prompts(50), config(on_invalid=InvalidGroupPolicy.FAIL),
+                         reward=lambda p, s: 1 / 0)
+    with pytest.raises(InvalidGroupError, match="reward_error"):
+        await pipe.run(steps=3)
+    assert pipe.engine.closed
+
+
+async def test_learner_exception_stops_everything_and_reaches_the_caller():
+    class Boom(RecordingLoss):
+        def compute(self, model, groups):
+            raise RuntimeError("learner exploded")
+
+    engine = FakeEngine()
+    pipe = make_pipeline(engine, prompts(1000), config(), loss=Boom())
+    with pytest.raises(RuntimeError, match="learner exploded"):
+        await pipe.run(steps=3)
+    assert engine.closed
+    assert all(p.in_flight == 0 for p in pipe.producers)
+
+
+async def test_cancelling_run_shuts_down():
+    engine = FakeEngine(token_delay_s=0.01)
+    pipe = make_pipeline(engine, prompts(10_000), config())
+    run = asyncio.create_task(pipe.run(steps=10_000))
+    await asyncio.wait_for(_until_trained(pipe, 1), 10)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert engine.closed
+    assert pipe.queue.closed
+    assert pipe.stats.unaccounted == 0
+
+
+async def _until_trained(pipe, steps):
+    reached = asyncio.Event()
+    pipe.learner.hooks.append(lambda step, m: reached.set() if step >= steps else None)
+    await reached.wait()
+
+
+async def test_finite_data_ends_the_run_gracefully():
+    pipe = make_pipeline(FakeEngine(), prompts(7), config(batch=2, max_staleness=100))
+    stats = await pipe.run(steps=100)
+    assert stats.steps == 3  # 7 groups -> 3 full batches; the 7th group is counted unused
+    assert stats.dropped[DropReason.UNUSED_AT_SHUTDOWN.value] == 1
+    assert stats.unaccounted == 0
+
+
+async def test_abort_cut_samples_are_resubmitted_or_dropped():
+    for policy, expect_drop in ((AbortPolicy.RESUBMIT, False), (AbortPolicy.DROP, True)):
+        engine = FakeEngine(token_delay_s=0.005)
+        queue = RolloutQueue(QueueConfig(capacity=4))
+        producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, queue,
+                            ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy),
+                            ledger=queue.ledger)
+        task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
+        await asyncio.sleep(0.02)  # let some tokens be sampled (FakeEngine produces on a timer)
+        await engine.pause(PauseMode.ABORT, clear_cache=False)
+        await engine.update_weights(type("U", (), {"version": 1, "tensors": {}})())
+        await engine.resume()
+        result = await asyncio.wait_for(task, 10)
+        if expect_drop:
+            assert result is None and queue.ledger.dropped[DropReason.ABORTED] == 1
+        else:
+            assert result is not None and producer.stats.resubmitted == 2
+            assert all(r.finish_reason is FinishReason.LENGTH and r.version_start == 1 for r in result.rollouts)
+
+
+async def test_queue_rejects_duplicates_and_closes():
+    q = RolloutQueue(QueueConfig(capacity=2))
+    assert await q.put(group("g", 0)) is True
+    assert await q.put(group("g", 0)) is False
+    await q.close()
+    with pytest.raises(QueueClosed):
+        await q.put(group("h", 0))
+    assert q.ledger.dropped[DropReason.UNUSED_AT_SHUTDOWN] == 1
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SamplingConfig(n=0), "SamplingConfig.n"),
+    (lambda: SamplingConfig(max_tokens=-1), "SamplingConfig.max_tokens"),
+    (lambda: SamplingConfig(temperature=0), "SamplingConfig.temperature"),
+    (lambda: QueueConfig(capacity=0), "QueueConfig.capacity"),
+    (lambda: QueueConfig(max_staleness=-1), "QueueConfig.max_staleness"),
+    (lambda: SyncConfig(mode="pause-ish"), "SyncConfig.mode"),
+    (lambda: SyncConfig(every=0), "SyncConfig.every"),
+    (lambda: LearnerConfig(batch_groups=0), "LearnerConfig.batch_groups"),
+    (lambda: LearnerConfig(lr=-1.0), "LearnerConfig.lr"),
+    (lambda: ProducerConfig(on_abort="retry"), "ProducerConfig.on_abort"),
+    (lambda: PipelineConfig(queue=QueueConfig(capacity=2), learner=LearnerConfig(batch_groups=3)),
+     "PipelineConfig.learner.batch_groups"),
+])
+def test_bad_config_fails_at_construction_naming_the_field(make, field):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_missing_model_path_is_a_config_error(tmp_path):
+    from asyncrl.engines.vllm_local import VLLMEngineConfig
+
+    with pytest.raises(ConfigError, match="VLLMEngineConfig.model"):
+        VLLMEngineConfig(model=str(tmp_path / "nope"))
