@@ -213,7 +213,7 @@ async def test_abort_cut_samples_are_resubmitted_or_dropped():
                             ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy),
                             ledger=queue.ledger)
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
-        await asyncio.sleep(0.02)  # let some tokens be sampled (FakeEngine produces on a timer)
+        await asyncio.wait_for(engine.token_produced.wait(), 10)
         await engine.pause(PauseMode.ABORT, clear_cache=False)
         await engine.update_weights(type("U", (), {"version": 1, "tensors": {}})())
         await engine.resume()

@@ -34,6 +34,7 @@ class FakeEngine:
         self.alive = True
         self.closed = False
         self.requests = 0  # generate calls served
+        self.token_produced = asyncio.Event()  # set once any token has been sampled (tests wait on it)
 
     @property
     def version(self) -> int:
@@ -69,14 +70,15 @@ class FakeEngine:
         for t in range(params.max_tokens):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if self._abort_epoch != epoch:
+                return self._sample(tokens, spans, FinishReason.ABORT)
             if not self._running.is_set():
-                if self._abort_epoch != epoch:
-                    return self._sample(tokens, spans, FinishReason.ABORT)
                 self._leave()  # keep: frozen requests do not hold a ``wait`` pause
                 await self._running.wait()
                 self._enter()
             self._check_alive()
             tokens.append((sum(prompt_ids) + index + t) % self.vocab_size)
+            self.token_produced.set()
             _extend(spans, self._version, len(tokens))
         return self._sample(tokens, spans, FinishReason.LENGTH)
 

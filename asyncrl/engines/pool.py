@@ -87,13 +87,16 @@ class EnginePool:
         rotated = live[self._turn:] + live[:self._turn]
         return min(rotated, key=lambda m: m.load)  # min keeps the first of equals: round-robin on ties
 
-    async def _dropped_after(self, member: _Member, exc: BaseException) -> bool:
-        """After ``member`` failed with ``exc``: take it out of rotation if it is dead and ``drop_dead`` is
-        set. True when it is (now) out of rotation."""
+    async def _dropped_after(self, member: _Member, exc: BaseException, *, known_dead: bool = False) -> bool:
+        """After ``member`` failed with ``exc``: take it out of rotation if it is dead (``known_dead``, or it
+        fails ``check_alive`` now) and ``drop_dead`` is set. True when it is (now) out of rotation."""
         if not member.alive:
             return True
         if not self._drop_dead or not isinstance(exc, EngineError):
             return False
+        if known_dead:
+            self._drop(member, exc)
+            return True
         try:
             await member.engine.check_alive()
         except EngineError as probe:
@@ -130,7 +133,8 @@ class EnginePool:
         failures = await self._on_all(lambda e: e.resume())
         self._raise_failures("resume", failures)
 
-    async def _on_all(self, op: Callable[[Engine], Awaitable[None]]) -> list[tuple[_Member, BaseException]]:
+    async def _on_all(self, op: Callable[[Engine], Awaitable[None]], *,
+                      failure_means_dead: bool = False) -> list[tuple[_Member, BaseException]]:
         """Run ``op`` on every live member concurrently; every member runs to the end whatever the others
         do. Dead members are dropped (``drop_dead``); the other failures are returned."""
         live = [m for m in self._members if m.alive]
@@ -141,7 +145,8 @@ class EnginePool:
         for member, result in zip(live, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
                 raise result
-            if isinstance(result, BaseException) and not await self._dropped_after(member, result):
+            if isinstance(result, BaseException) and not await self._dropped_after(
+                    member, result, known_dead=failure_means_dead):
                 failures.append((member, result))
         if not self.live:
             raise EngineError(self.name, "every engine stopped answering")
@@ -158,7 +163,7 @@ class EnginePool:
 
     async def check_alive(self) -> None:
         """Check every live member at once. Dead ones are dropped (``drop_dead``) or reported."""
-        failures = await self._on_all(lambda e: e.check_alive())
+        failures = await self._on_all(lambda e: e.check_alive(), failure_means_dead=True)
         self._raise_failures("health check", failures)
 
     async def close(self) -> None:

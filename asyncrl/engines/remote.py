@@ -553,7 +553,8 @@ class NcclWeightTransport:
                       "world_size": workers + 1}
         # The workers block inside init_weight_transfer_engine until rank 0 (us) joins: run both at once.
         async with asyncio.timeout(self._cfg.init_timeout_s), asyncio.TaskGroup() as tg:
-            tg.create_task(api.post("/init_weight_transfer_engine", body={"init_info": {**rendezvous, "rank_offset": 1}},
+            init_info = {**rendezvous, "rank_offset": 1}  # workers take the ranks after ours
+            tg.create_task(api.post("/init_weight_transfer_engine", body={"init_info": init_info},
                                     timeout_s=self._cfg.init_timeout_s))
             joined = tg.create_task(asyncio.to_thread(self._join, rendezvous))
         self._group = joined.result()
