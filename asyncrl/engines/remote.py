@@ -162,7 +162,7 @@ class RemoteVLLMEngine:
         self._staged: Path | None = None  # our staging dir holding _good_weights, deleted when replaced
         self._probe_lock = asyncio.Lock()
         self._last_alive = time.monotonic()
-        self._inflight: dict[int, int] = {}  # per open stream: tokens received so far
+        self._inflight: dict[int, _SampleBuilder] = {}  # open streams, by a counter (request ids may repeat)
         self._next_stream = 0
         self._requests = 0  # samples requested, ever
         self._closed = False
@@ -204,8 +204,12 @@ class RemoteVLLMEngine:
     def metrics(self) -> dict[str, float]:
         """Gauges of this engine's client side."""
         return {"engine/inflight_requests": len(self._inflight),
-                "engine/inflight_tokens": sum(self._inflight.values()),
+                "engine/inflight_tokens": sum(b.num_tokens for b in self._inflight.values()),
                 "engine/requests": self._requests}
+
+    def inflight(self) -> dict[str, int]:
+        """Tokens received so far by each open request, by request id ("{request_id}-{sample index}")."""
+        return {b.request_id: b.num_tokens for b in self._inflight.values()}
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -245,7 +249,7 @@ class RemoteVLLMEngine:
         builder = _SampleBuilder(self.name, request_id)
         stream = self._next_stream
         self._next_stream += 1
-        self._inflight[stream] = 0
+        self._inflight[stream] = builder
         self._requests += 1
         try:
             async with self._api.session.post(f"{self._cfg.base_url}/v1/completions", json=body,
@@ -255,7 +259,6 @@ class RemoteVLLMEngine:
                 reader = _SseReader(resp.content)
                 while (event := await self._watched(reader.next_event())) is not None:
                     builder.add(event, self._version)
-                    self._inflight[stream] = builder.num_tokens
         except asyncio.CancelledError:
             # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
             await asyncio.shield(self._abort_on_server(body["request_id"]))
@@ -264,7 +267,7 @@ class RemoteVLLMEngine:
             raise EngineError(self.name, f"request {request_id} to {self._cfg.base_url} failed: {exc!r}") from exc
         finally:
             del self._inflight[stream]
-        return builder.build()
+        return builder.build(clean_end=reader.done)
 
     def _refusal(self, status: int, text: str, request_id: str) -> Exception:
         if status == 400:  # validation: the prompt (or its length) was refused
@@ -440,6 +443,7 @@ class _SseReader:
     def __init__(self, content: aiohttp.StreamReader) -> None:
         self._content = content
         self._buffer = b""
+        self.done = False  # the server sent [DONE] (a clean end, unlike a dropped connection)
 
     async def next_event(self) -> dict[str, Any] | None:
         """The next ``data:`` event decoded from JSON; None at ``[DONE]`` or end of stream."""
@@ -450,7 +454,10 @@ class _SseReader:
                 data = b"".join(line[5:].strip() for line in head.splitlines() if line.startswith(b"data:"))
                 if not data:
                     continue
-                return None if data == b"[DONE]" else json.loads(data)
+                if data == b"[DONE]":
+                    self.done = True
+                    return None
+                return json.loads(data)
             chunk = await self._content.readany()
             if not chunk:
                 return None
@@ -462,7 +469,7 @@ class _SampleBuilder:
 
     def __init__(self, engine: str, request_id: str) -> None:
         self._engine = engine
-        self._request_id = request_id
+        self.request_id = request_id
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
         self._text: list[str] = []
@@ -475,12 +482,12 @@ class _SampleBuilder:
 
     def add(self, event: dict[str, Any], version: int) -> None:
         if "error" in event:
-            raise EngineError(self._engine, f"request {self._request_id}: server error {event['error']}")
+            raise EngineError(self._engine, f"request {self.request_id}: server error {event['error']}")
         for choice in event.get("choices", ()):  # the optional final usage event has none
             ids = choice.get("token_ids") or []
             lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
             if len(ids) != len(lps) or any(lp is None for lp in lps):
-                raise EngineError(self._engine, f"request {self._request_id}: {len(ids)} tokens but log-probs "
+                raise EngineError(self._engine, f"request {self.request_id}: {len(ids)} tokens but log-probs "
                                                 f"{lps} (is the server new enough for return_token_ids?)")
             self._add_span(version, len(ids))
             self._token_ids.extend(ids)
@@ -498,9 +505,14 @@ class _SampleBuilder:
         else:
             self._spans.append(VersionSpan(version, start, end))
 
-    def build(self) -> Sample:
+    def build(self, clean_end: bool) -> Sample:
         if self._finish is None:
-            raise EngineError(self._engine, f"request {self._request_id}: stream ended without a finish reason")
+            if not (clean_end and not self._token_ids):
+                raise EngineError(self._engine, f"request {self.request_id}: stream ended without a finish "
+                                                f"reason after {len(self._token_ids)} tokens")
+            # The server drops token-less chunks, so a request aborted before its first token ends with
+            # [DONE] and nothing else (vLLM 0.26 and 0.32 completions streaming).
+            self._finish = "abort"
         return Sample(token_ids=tuple(self._token_ids), logprobs=tuple(self._logprobs),
                       finish_reason=_finish_reason(self._engine, self._finish), version_spans=tuple(self._spans),
                       text="".join(self._text))

