@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncrl.actors.learner import Learner
+from asyncrl.aio import first_cause
 from asyncrl.actors.producer import Producer
 from asyncrl.config import PipelineConfig
 from asyncrl.engines.base import Engine
@@ -77,7 +78,7 @@ class Pipeline:
                 for task in helpers:  # the learner is done: everything else stops now
                     task.cancel()
         except BaseExceptionGroup as group:
-            raise _first_cause(group) from group
+            raise first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
         return self.stats
@@ -92,7 +93,7 @@ class Pipeline:
                 await tg.create_task(self._sync_loop(producer, steps), name="sync-loop")
                 watchdog.cancel()
         except BaseExceptionGroup as group:
-            raise _first_cause(group) from group
+            raise first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
         return self.stats
@@ -166,20 +167,3 @@ class Pipeline:
         return merged
 
 
-
-def _first_cause(group: BaseExceptionGroup) -> BaseException:
-    """The error that stopped the run (the task group also holds the cancellations it caused)."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for exc in leaves:
-        if not isinstance(exc, asyncio.CancelledError):
-            return exc
-    return leaves[0]

@@ -21,7 +21,15 @@ def load_hf_model(model_dir: Path):
 
 
 def child_pids() -> set[int]:
+    """Live descendants of this process, except multiprocessing's resource tracker (it lives as long as
+    this process by design, and is started by the first engine)."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE}
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

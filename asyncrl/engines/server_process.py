@@ -21,7 +21,12 @@ from pathlib import Path
 
 import aiohttp
 
+from asyncrl.engines.worker_ext import EXTENSION
+
 log = logging.getLogger(__name__)
+
+# The worker imports the extension by name: the project root must be on its path wherever the server runs.
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 # What every server we start gets unless the caller's ``env`` says otherwise.
 DEFAULT_ENV: Mapping[str, str] = {
@@ -41,6 +46,7 @@ def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()
         # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
         "--logprobs-mode", "processed_logprobs",
         "--dtype", "float32",
+        "--worker-extension-cls", EXTENSION,  # weight reload that keeps tied weights (the LM head) tied
         *extra_args,
     ]
 
@@ -170,6 +176,7 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
     (default: a new file under the temp dir, kept for post-mortems).
     """
     full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, full_env.get("PYTHONPATH")) if p)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
         os.close(fd)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.aio import first_cause
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import read_manifest, stage, torch_dtype, validate_update
@@ -24,6 +25,9 @@ from asyncrl.engines.worker_ext import EXTENSION as WORKER_EXTENSION
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 log = logging.getLogger(__name__)
+
+RESTORE_ATTEMPTS = 3  # full reloads of the last good weights after a failed update
+DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engine died
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +165,13 @@ class VLLMEngine:
         self._raise_if_dead()
         max_tokens = min(params.max_tokens, room)
         count = params.n if n is None else n
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, i, max_tokens),
-                                              f"{request_id}-{i}"))
-                     for i in range(count)]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, i, max_tokens),
+                                                  f"{request_id}-{i}"))
+                         for i in range(count)]
+        except BaseExceptionGroup as group:
+            raise first_cause(group) from group
         return [t.result() for t in tasks]
 
     async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
@@ -174,7 +181,8 @@ class VLLMEngine:
         logprobs: list[float] = []
         text: list[str] = []
         final = None
-        async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp, request_id=request_id):
+        async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
+                                                        request_id=request_id)):
             comp = out.outputs[0]
             if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
                 spans.add(self._version, len(token_ids), len(token_ids) + len(comp.token_ids))
@@ -192,15 +200,45 @@ class VLLMEngine:
             version_spans=version_spans, text=final.text if self._stamps else "".join(text),
         )
 
+    async def _guard(self, stream: Any) -> Any:
+        """Re-raise vLLM's errors as ``EngineError`` when they mean the engine died."""
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:
+            if self._closed or self._llm.errored:
+                raise EngineError(self.name, f"engine died or closed mid-request ({exc!r})") from exc
+            raise
+
+    async def _call(self, coro: Any) -> Any:
+        """Await a control call (pause, reload...). vLLM never answers a call to a dead engine core, so
+        race it against the engine's death flag (there is no event for it to wait on)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+                if done:
+                    return task.result()
+                if self._closed or self._llm.errored:
+                    raise EngineError(self.name, "engine core process died during a control call")
+        except EngineError:
+            raise
+        except Exception as exc:
+            if self._closed or self._llm.errored:
+                raise EngineError(self.name, f"engine died or closed ({exc!r})") from exc
+            raise
+        finally:
+            task.cancel()
+
     # -- weight publication ----------------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         self._raise_if_dead()
-        await self._llm.pause_generation(mode=PauseMode(mode).value, clear_cache=clear_cache)
+        await self._call(self._llm.pause_generation(mode=PauseMode(mode).value, clear_cache=clear_cache))
 
     async def resume(self) -> None:
         self._raise_if_dead()
-        await self._llm.resume_generation()
+        await self._call(self._llm.resume_generation())
 
     async def update_weights(self, update: WeightUpdate) -> None:
         validate_update(update.tensors, self._manifest)
@@ -218,21 +256,30 @@ class VLLMEngine:
         self._replace_good_weights(staged)
 
     async def _reload(self, weights_dir: Path) -> None:
-        await self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)})
+        await self._call(self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)}))
 
     async def _restore_after_failed_reload(self, exc: BaseException) -> None:
         # A reload that fails part-way can leave some layers new and some old; a full reload of the last
         # good weights puts every layer back.
         log.error("weight reload failed on %s (%r); restoring %s", self.name, exc, self._good_weights)
         try:
-            await asyncio.shield(self._reload(self._good_weights))
+            for attempt in range(RESTORE_ATTEMPTS):
+                try:
+                    await asyncio.shield(self._reload(self._good_weights))
+                    break
+                except Exception:
+                    # The failed load can leave per-layer loading state behind that spoils the next
+                    # reload once; the reload after that starts clean.
+                    if attempt == RESTORE_ATTEMPTS - 1:
+                        raise
+                    log.warning("restore attempt %d on %s failed; retrying", attempt + 1, self.name)
         except Exception as restore_exc:
             raise EngineError(self.name, f"weight reload failed and restoring the previous weights failed "
                                          f"too ({restore_exc!r}); the engine's weights are undefined") from exc
 
     async def _set_version(self, version: int) -> None:
         if self._stamps:
-            await self._llm.update_weight_version(str(version))
+            await self._call(self._llm.update_weight_version(str(version)))
         self._version = version
 
     def _replace_good_weights(self, staged: Path) -> None:

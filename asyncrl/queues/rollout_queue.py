@@ -17,7 +17,7 @@ from asyncrl.ledger import GroupLedger
 from asyncrl.types import DropReason, RolloutGroup
 
 
-SEEN_IDS_LIMIT = 100_000  # group ids remembered for de-duplication
+SEEN_IDS_LIMIT = 10_000  # group ids remembered for de-duplication (retries come within seconds)
 
 
 class QueueClosed(Exception):

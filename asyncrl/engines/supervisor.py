@@ -1,0 +1,116 @@
+"""An Engine wrapper that restarts a dead engine and brings it back to the last published weights.
+
+Without it, a dead engine stops the pipeline with an ``EngineError`` naming it (the pipeline's watchdog
+notices within its health interval). With it, the first caller to see the death starts a replacement from
+``factory``, reloads the last successful ``WeightUpdate`` (so the version and weights are what the learner
+last published), and retries the failed call once. Requests that were in flight on the dead engine are
+sampled again on the new one, so their groups are not lost.
+
+Memory: the last update's tensors are kept as a CPU copy (one extra copy of the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.base import Engine, EngineError, WeightUpdate
+from asyncrl.types import PauseMode, Sample
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], Awaitable[Engine]]
+
+
+class SupervisedEngine:
+    def __init__(self, inner: Engine, factory: EngineFactory, *, max_restarts: int = 1,
+                 close_timeout_s: float = 15.0) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self._inner = inner
+        self._factory = factory
+        self.max_restarts = max_restarts
+        self.close_timeout_s = close_timeout_s  # bound on closing a dead engine before replacing it
+        self.restarts = 0
+        self.name = f"supervised({inner.name})"
+        self._lock = asyncio.Lock()
+        self._last_update: WeightUpdate | None = None
+        self._closed = False
+
+    @classmethod
+    async def start(cls, factory: EngineFactory, *, max_restarts: int = 1) -> SupervisedEngine:
+        return cls(await factory(), factory, max_restarts=max_restarts)
+
+    @property
+    def inner(self) -> Engine:
+        return self._inner
+
+    @property
+    def version(self) -> int:
+        return self._inner.version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._inner.max_model_len
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        engine = self._inner
+        try:
+            return await engine.generate(prompt_ids, params, request_id, n)
+        except EngineError:
+            await self._recover(engine)
+            return await self._inner.generate(prompt_ids, params, f"{request_id}/restart{self.restarts}", n)
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._with_recovery(lambda e: e.pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await self._with_recovery(lambda e: e.resume())
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        await self._with_recovery(lambda e: e.update_weights(update))
+        self._last_update = WeightUpdate(update.version,
+                                         {k: v.detach().to("cpu", copy=True) for k, v in update.tensors.items()})
+
+    async def check_alive(self) -> None:
+        await self._with_recovery(lambda e: e.check_alive())
+
+    async def _with_recovery(self, call: Callable[[Engine], Awaitable[None]]) -> None:
+        engine = self._inner
+        try:
+            await call(engine)
+        except EngineError:
+            await self._recover(engine)
+            await call(self._inner)
+
+    async def _recover(self, failed: Engine) -> None:
+        async with self._lock:
+            if self._inner is not failed:
+                return  # another caller already replaced it
+            if self._closed:
+                raise EngineError(failed.name, "engine was closed")
+            if self.restarts >= self.max_restarts:
+                raise EngineError(failed.name, f"engine died and the restart budget ({self.max_restarts}) "
+                                               f"is spent")
+            log.error("engine %s died; restarting (%d of %d)", failed.name, self.restarts + 1, self.max_restarts)
+            await self._close_quietly(failed)
+            fresh = await self._factory()
+            if self._last_update is not None:
+                await fresh.update_weights(self._last_update)
+            self._inner = fresh
+            self.restarts += 1
+            log.warning("engine restarted as %s at version %d", fresh.name, fresh.version)
+
+    async def _close_quietly(self, engine: Engine) -> None:
+        try:
+            async with asyncio.timeout(self.close_timeout_s):
+                await engine.close()
+        except Exception as exc:  # it is already dead; we only want its processes gone
+            log.warning("closing dead engine %s failed: %r", engine.name, exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._inner.close()
