@@ -33,9 +33,9 @@ aio = pytest.mark.asyncio(loop_scope="module")
 PROMPT = (1, 10, 11, 12, 13)
 MAX_MODEL_LEN = 256  # the servers' context: room for long samples, so that a pause finds them running
 LONG = SamplingConfig(n=8, max_tokens=240, temperature=1.0, seed=7)  # most samples still run at a pause
-# Server vs transformers log-probs, float32. On the H200 (vLLM 0.26, Triton attention) sampled tokens' log-probs
-# were seen 1.07e-3 off while prompt log-probs stayed under 1e-3.
-TOL = 2e-3 if torch.cuda.is_available() else 1e-3
+# Server vs transformers (on CPU) log-probs, float32. On the H200 (vLLM 0.26, Triton attention) they were seen
+# up to 3.7e-3 apart on this model: GPU kernels sum in another order. Still well under the 0.05 a sync changes.
+TOL = 1e-2 if torch.cuda.is_available() else 1e-3
 # The pause tests need samples still running on the server when the pause lands. On a loaded 2-core machine
 # the client can read a stream well behind the server; a round where every sample had already finished
 # proves nothing and is run again.

@@ -3,6 +3,8 @@
 Generation streams ``POST /v1/completions`` (token-id prompt, ``logprobs=0``, ``return_token_ids``), one HTTP
 request per sample so each has its own seed and can be aborted alone. Start the server with
 ``--logprobs-mode processed_logprobs`` so the log-probs are those of the distribution actually sampled.
+Cancelling ``generate`` closes its streams and aborts the requests on the server (``/abort_requests``): a
+request frozen by a ``keep`` pause never notices a closed connection.
 
 Version spans: the server's /v1/completions does not report weight versions (0.32 stamps them only on its
 /inference/v1/generate endpoint; 0.26 not at all), so this engine tags each streamed chunk with its own
@@ -11,9 +13,10 @@ at the number of tokens received when ``update_weights`` bumped the version. Bet
 the server samples nothing, so the split is exact unless a chunk sampled before the pause was still in
 transit when the version changed (the gap is the whole staging + reload, tens of milliseconds at least).
 
-Weights go to the server as a safetensors directory it reloads through ``/collective_rpc`` (asyncrl's worker
-extension when the server has it, which keeps tied weights tied; else vLLM's ``reload_weights``)
-(CPU and GPU, same machine), or through vLLM's NCCL weight-transfer backend with ``NcclWeightTransport`` (GPU).
+Weights reach the server by default as a safetensors directory (same machine, CPU or GPU) that it reloads
+through ``/collective_rpc``: asyncrl's worker extension when the server loaded it (it keeps tied weights tied),
+else vLLM's ``reload_weights``. On GPU, ``NcclWeightTransport`` broadcasts them through vLLM's NCCL
+weight-transfer backend instead.
 """
 
 from __future__ import annotations

@@ -1,0 +1,187 @@
+"""Asynchronous pipeline vs the synchronous baseline: trained samples per second, and the overlap bound.
+
+    python bench/async_vs_sync.py           # 2 x (sync, async) runs of 24 steps
+    python bench/async_vs_sync.py --quick   # 1 x (sync, async) of 14 steps
+
+Same engine, model, task (addition prompts, exact-match reward), learner (GRPO, AdamW) and batch
+(``--batch-groups`` groups of ``--n`` completions of ``--max-tokens`` tokens, ``ignore_eos`` so lengths are
+fixed), both modes in the same process, alternating:
+
+- sync: ``Pipeline.run_synchronous``: generate a batch, train on it, publish, repeat (nothing overlaps);
+- async: ``Pipeline.run``: producers keep ``--batch-groups`` groups in flight while the learner trains on the
+  previous batch (max staleness ``--max-staleness``, keep-mode pause for every publication).
+
+From the sync run's phase times, T_gen = ``stats.gen_s`` and T_train = ``stats.train_s + stats.sync_s``,
+the ideal overlap bound is ``ideal = (T_gen + T_train) / max(T_gen, T_train)``. ``speedup`` is the async
+over the sync trained samples/s in steady state (steps after ``--warm-steps``, so start-up and the
+pipeline's fill are left out; whole-run figures are reported too); ``ratio_to_ideal = speedup / ideal``,
+target >= 0.9. The model size (``--hidden``/``--layers``) and batch are chosen so T_gen and T_train are
+comparable on a 2-core CPU.
+
+On a 2-core CPU vLLM's worker is bound to core 0 and the learner shares core 1 with vLLM's front end and
+the event loop; ``--torch-threads 1`` (default) keeps the learner's matmuls off the engine's core (with 2
+threads each backward would steal core 0 from generation, slowing both). Other load on the machine shifts
+every figure; the load average is in the result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+log = logging.getLogger("bench.async_vs_sync")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one pair of shorter runs")
+    p.add_argument("--steps", type=int, help="learner steps per run (default 24, quick 14)")
+    p.add_argument("--warm-steps", type=int, default=3, help="first steps left out of the steady-state rate")
+    p.add_argument("--repeats", type=int, help="(sync, async) pairs (default 2, quick 1)")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--batch-groups", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--torch-threads", type=int, default=1, help="learner threads (CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_engine_flags(p, max_num_seqs=64)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (14 if args.quick else 24)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    if args.steps <= args.warm_steps + 1:
+        p.error("--steps must exceed --warm-steps + 1")
+    return args
+
+
+def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
+    import asyncrl
+
+    b = args.batch_groups
+    staleness = 0 if synchronous else args.max_staleness
+    return asyncrl.PipelineConfig(
+        producer=asyncrl.ProducerConfig(
+            sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, ignore_eos=True),
+            max_inflight_groups=b),
+        queue=asyncrl.QueueConfig(capacity=b, max_staleness=staleness),
+        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
+                                      sync=asyncrl.SyncConfig(mode="keep")),
+    )
+
+
+async def one_run(engine: Any, model_dir: Path, tok: Any, args: argparse.Namespace, synchronous: bool,
+                  seed: int) -> dict[str, Any]:
+    from asyncrl.algorithms.losses import LossConfig
+    from asyncrl.recipes import grpo_pipeline
+    from asyncrl.tasks import arithmetic
+
+    model = common.load_learner(model_dir)
+    pipeline = grpo_pipeline(
+        engine, model, common.arithmetic_prompts(tok, seed), lambda p, s: arithmetic.reward(s.text, p.answer),
+        pipeline_config(args, synchronous), loss_config=LossConfig(), pad_id=tok.pad_token_id,
+        version=engine.version, close_engine=False)
+    marks: list[float] = []
+    pipeline.learner.hooks.append(lambda step, metrics: marks.append(time.perf_counter()))
+    t0 = time.perf_counter()
+    stats = await (pipeline.run_synchronous if synchronous else pipeline.run)(args.steps)
+    per_step = args.batch_groups * args.n
+    k = args.warm_steps
+    steady = (len(marks) - k) * per_step / (marks[-1] - marks[k - 1]) if len(marks) > k else float("nan")
+    staleness = pipeline.queue.stats.staleness_trained
+    return {
+        "mode": "sync" if synchronous else "async", "steps": stats.steps, "wall_s": time.perf_counter() - t0,
+        "samples_trained": stats.samples_trained, "samples_per_s": stats.samples_per_s,
+        "samples_per_s_steady": steady, "gen_s": stats.gen_s, "train_s": stats.train_s, "sync_s": stats.sync_s,
+        "tokens_generated": stats.tokens_generated, "dropped": stats.dropped, "unaccounted": stats.unaccounted,
+        "mean_staleness": sum(s * c for s, c in staleness.items()) / max(1, sum(staleness.values())),
+        "learner_wait_s": pipeline.queue.stats.get_wait_s, "producer_put_wait_s": pipeline.queue.stats.put_wait_s,
+    }
+
+
+async def run(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    import asyncrl
+    from asyncrl.engines.vllm_local import VLLMEngine
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 64 * -(-(args.max_tokens + 16) // 64),
+                                                         args.seed))
+    runs = []
+    try:
+        warm = next(common.arithmetic_prompts(tok, 10**6))
+        await engine.generate(warm.token_ids, asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
+                              request_id="warm-up")  # the first request with logprobs costs ~2 s once
+        for rep in range(args.repeats):
+            for synchronous in (True, False):
+                r = await one_run(engine, model_dir, tok, args, synchronous, seed=args.seed + rep)
+                r["repeat"] = rep
+                runs.append(r)
+                print(f"  {r['mode']:>5} #{rep}: {r['samples_per_s_steady']:.1f} samples/s steady "
+                      f"({r['samples_per_s']:.1f} whole run, {r['wall_s']:.0f}s); gen {r['gen_s']:.1f}s "
+                      f"train {r['train_s']:.1f}s sync {r['sync_s']:.1f}s; staleness {r['mean_staleness']:.2f} "
+                      f"dropped {r['dropped']}", flush=True)
+    finally:
+        await engine.close()
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    sync = [r for r in runs if r["mode"] == "sync"]
+    asyn = [r for r in runs if r["mode"] == "async"]
+    t_gen = sum(r["gen_s"] for r in sync)
+    t_train = sum(r["train_s"] + r["sync_s"] for r in sync)
+    ideal = (t_gen + t_train) / max(t_gen, t_train)
+    speedup = statistics.mean(r["samples_per_s_steady"] for r in asyn) / statistics.mean(
+        r["samples_per_s_steady"] for r in sync)
+    speedup_wall = sum(r["samples_trained"] for r in asyn) / sum(r["wall_s"] for r in asyn) / (
+        sum(r["samples_trained"] for r in sync) / sum(r["wall_s"] for r in sync))
+    return {
+        "speedup": speedup, "ideal": ideal, "ratio_to_ideal": speedup / ideal, "target_ratio_to_ideal": 0.9,
+        "meets_target": speedup / ideal >= 0.9, "speedup_whole_run": speedup_wall,
+        "ratio_to_ideal_whole_run": speedup_wall / ideal, "sync_T_gen_s": t_gen, "sync_T_train_s": t_train,
+        "sync_samples_per_s_steady": statistics.mean(r["samples_per_s_steady"] for r in sync),
+        "async_samples_per_s_steady": statistics.mean(r["samples_per_s_steady"] for r in asyn),
+        "pair_speedups": [a["samples_per_s_steady"] / s["samples_per_s_steady"] for s, a in zip(sync, asyn)],
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.set_env()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    import asyncrl
+
+    if not common.on_gpu():
+        torch.set_num_threads(args.torch_threads)
+    result = common.Result("async_vs_sync", args, argv)
+    model_dir = common.build_model(f"async-vs-sync-h{args.hidden}-l{args.layers}",
+                                   common.qwen_spec(args.hidden, args.layers, context=256, seed=args.seed))
+    print(f"model {common.param_count(model_dir) / 1e6:.1f}M params; {args.steps} steps x {args.batch_groups} "
+          f"groups x {args.n} x {args.max_tokens} tokens; torch threads {torch.get_num_threads()}", flush=True)
+    res = summarise(asyncrl.run(run(args, model_dir)))
+    print(f"sync T_gen {res['sync_T_gen_s']:.1f}s T_train {res['sync_T_train_s']:.1f}s -> ideal {res['ideal']:.2f}x; "
+          f"async speedup {res['speedup']:.2f}x steady ({res['speedup_whole_run']:.2f}x whole run): "
+          f"ratio to ideal {res['ratio_to_ideal']:.2f} (target >= 0.9: {'met' if res['meets_target'] else 'NOT met'})",
+          flush=True)
+    result.write(res, torch_threads=torch.get_num_threads())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

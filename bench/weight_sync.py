@@ -1,0 +1,211 @@
+"""How long is generation paused per weight sync, against what moving the bytes must cost?
+
+    python bench/weight_sync.py             # models of ~5 MiB, ~250 MiB and ~1 GiB
+    python bench/weight_sync.py --quick     # skips the 1 GiB model
+
+For each model size (untied Qwen2 shapes whose large vocabulary supplies most of the bytes), one engine is
+started and, while a light background load keeps requests in flight, the learner's weights are published
+``--reps`` times through ``WeightSync.publish`` (keep mode, cache cleared): its ``SyncTiming`` splits the paused
+time into ``pause_s``, ``transfer_s`` (validate + write the safetensors file + layerwise reload + version)
+and ``resume_s``. Alternating with those, in the same run:
+
+- ``reload_floor_s``: the engine paused the same way, then only ``collective_rpc("reload_weights",
+  kwargs={"weights_path": dir})`` from a directory written beforehand (the in-place reload alone);
+- ``copy_bound_s``: cloning the same tensors once in memory (what any transfer must at least cost);
+- ``stage_s`` / ``validate_s``: the library's ``stage()`` (file write) and ``validate_update`` on their own.
+
+Reported per model: medians, and ``ratio_to_reload_floor`` = (pause + transfer + resume) / reload floor.
+CPU target <= 2x. RAM: a 1 GiB model needs ~6 GiB at peak (engine, learner copy, staged files in
+/dev/shm, the clone), so the models run one at a time and every copy is freed before the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+# (name, target MiB, hidden, layers): the vocabulary is solved for to reach the target size in float32.
+SIZES = (("5mib", 5, 128, 2), ("250mib", 250, 512, 4), ("1gib", 1024, 1024, 4))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="skip the 1 GiB model")
+    p.add_argument("--sizes", nargs="*", choices=[s[0] for s in SIZES], help="models to run (default: all)")
+    p.add_argument("--reps", type=int, default=3, help="publishes (and floor reloads) per model")
+    p.add_argument("--mode", choices=("keep", "abort", "wait"), default="keep", help="pause mode")
+    p.add_argument("--background", type=int, default=4, help="groups kept in flight during syncs (0 = idle)")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_engine_flags(p, max_num_seqs=16)
+    args = p.parse_args(argv)
+    args.sizes = args.sizes or [s[0] for s in SIZES if not (args.quick and s[0] == "1gib")]
+    return args
+
+
+def params_per_vocab_row(hidden: int) -> int:
+    return 2 * hidden  # untied: one embedding row and one lm_head row
+
+
+def spec_for(target_mib: float, hidden: int, layers: int, seed: int) -> Any:
+    """An untied Qwen2 shape of about ``target_mib`` MiB in float32 (vocabulary rounded to 64)."""
+    base = common.qwen_spec(hidden, layers, vocab=64, tied=False, context=128, seed=seed)
+    kv = hidden // 2  # 2:1 grouped KV heads of size 64
+    per_layer = (hidden * hidden + hidden) + 2 * (hidden * kv + kv) + hidden * hidden \
+        + 3 * hidden * base.intermediate_size + 2 * hidden
+    body = layers * per_layer + hidden
+    vocab = max(128, int((target_mib * 2**20 / 4 - body) / params_per_vocab_row(hidden)) // 64 * 64)
+    return common.qwen_spec(hidden, layers, vocab=vocab, tied=False, context=128, seed=seed)
+
+
+async def background_load(engine: Any, prompt: Any, groups: int, stop: asyncio.Event) -> int:
+    """Keep ``groups`` groups of requests in flight (through the Engine API) until ``stop`` is set."""
+    from asyncrl import SamplingConfig
+
+    params = SamplingConfig(n=4, max_tokens=32, ignore_eos=True)
+    done = 0
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        k = 0
+        while not stop.is_set():
+            await engine.generate(prompt.token_ids, params, request_id=f"bg-{i}-{k}")
+            k += 1
+            done += 1
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(groups):
+            tg.create_task(loop(i))
+    return done
+
+
+async def reload_floor(engine: Any, weights_dir: Path, mode: str) -> float:
+    """Pause like a sync does, time only the in-place reload from ``weights_dir``, resume."""
+    await engine.pause(mode, True)
+    try:
+        t0 = time.perf_counter()
+        await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+        return time.perf_counter() - t0
+    finally:
+        await engine.resume()
+
+
+def copy_bound(tensors: dict[str, Any]) -> float:
+    t0 = time.perf_counter()
+    copy = {k: v.clone() for k, v in tensors.items()}
+    seconds = time.perf_counter() - t0
+    del copy
+    return seconds
+
+
+async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from asyncrl import SyncConfig, WeightSync
+    from asyncrl.engines.vllm_local import VLLMEngine, _dtype_from_name
+    from asyncrl.engines.weights import read_manifest, stage, state_dict_for_engine, torch_dtype, validate_update
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = next(common.arithmetic_prompts(tok, args.seed))
+    model = common.load_learner(model_dir, "float32").cpu()
+    tensors = state_dict_for_engine(model)
+    manifest = read_manifest(model_dir)
+    dtype = common.engine_dtype(args)
+    dtype = torch_dtype(next(iter(manifest.values())).dtype) if dtype == "auto" else _dtype_from_name(dtype)
+    payload = {k: v.detach().to(dtype) for k, v in tensors.items()}  # the bytes the engine receives
+    nbytes = sum(v.numel() * v.element_size() for v in payload.values())
+    floor_dir = stage(payload, dtype)  # written once: the reload floor reads it again and again
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 128, args.seed))
+    sync = WeightSync(engine, SyncConfig(mode=args.mode, clear_cache=True))
+    timings, floors, copies, stages, validates = [], [], [], [], []
+    stop = asyncio.Event()
+    try:
+        await engine.generate(prompt.token_ids, __import__("asyncrl").SamplingConfig(n=1, max_tokens=8),
+                              request_id="warm")
+        async with asyncio.TaskGroup() as tg:
+            bg = tg.create_task(background_load(engine, prompt, args.background, stop))
+            await asyncio.sleep(0.5)
+            for rep in range(args.reps):
+                timings.append(await sync.publish(tensors, engine.version + 1))
+                floors.append(await reload_floor(engine, floor_dir, args.mode))
+                t = timings[-1]
+                print(f"  {name} rep {rep}: paused {t.total_s:.3f}s (pause {t.pause_s:.3f} transfer "
+                      f"{t.transfer_s:.3f} resume {t.resume_s:.3f}); reload floor {floors[-1]:.3f}s", flush=True)
+            stop.set()
+        # Off the engine's critical path, with generation idle: the cost of the bytes alone.
+        for _ in range(args.reps):
+            copies.append(await asyncio.to_thread(copy_bound, payload))
+            t0 = time.perf_counter()
+            validate_update(tensors, manifest)
+            validates.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            staged = stage(tensors, dtype)
+            stages.append(time.perf_counter() - t0)
+            shutil.rmtree(staged, ignore_errors=True)
+        background_groups = bg.result()
+    finally:
+        stop.set()
+        await engine.close()
+        shutil.rmtree(floor_dir, ignore_errors=True)
+        del model, tensors, payload
+        gc.collect()
+    med = statistics.median
+    total = med(t.total_s for t in timings)
+    floor = med(floors)
+    return {
+        "name": name, "mib": nbytes / 2**20, "params": common.param_count(model_dir), "dtype": str(dtype),
+        "pause_s": med(t.pause_s for t in timings), "transfer_s": med(t.transfer_s for t in timings),
+        "resume_s": med(t.resume_s for t in timings), "total_paused_s": total,
+        "copy_bound_s": med(copies), "reload_floor_s": floor, "stage_s": med(stages), "validate_s": med(validates),
+        "ratio_to_reload_floor": total / floor, "transfer_ratio_to_reload_floor": med(t.transfer_s for t in timings)
+        / floor, "ratio_to_copy_bound": total / med(copies), "meets_target": total / floor <= 2.0,
+        "background_groups_done": background_groups,
+        "reps": [{"pause_s": t.pause_s, "transfer_s": t.transfer_s, "resume_s": t.resume_s, "total_s": t.total_s,
+                  "reload_floor_s": f} for t, f in zip(timings, floors)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.set_env()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    import asyncrl
+
+    torch.set_num_threads(1)
+    result = common.Result("weight_sync", args, argv)
+    models = []
+    for name, mib, hidden, layers in SIZES:
+        if name not in args.sizes:
+            continue
+        t0 = time.perf_counter()
+        model_dir = common.build_model(f"weight-sync-{name}", spec_for(mib, hidden, layers, args.seed))
+        print(f"{name}: {common.param_count(model_dir) / 1e6:.1f}M params (built/cached in "
+              f"{time.perf_counter() - t0:.0f}s)", flush=True)
+        models.append(asyncrl.run(measure(args, name, model_dir)))
+        m = models[-1]
+        print(f"{name}: {m['mib']:.0f} MiB paused {m['total_paused_s']:.3f}s = pause {m['pause_s']:.3f} + transfer "
+              f"{m['transfer_s']:.3f} + resume {m['resume_s']:.3f}; reload floor {m['reload_floor_s']:.3f}s "
+              f"(ratio {m['ratio_to_reload_floor']:.2f}, target <= 2); copy bound {m['copy_bound_s']:.3f}s; "
+              f"stage {m['stage_s']:.3f}s validate {m['validate_s']:.3f}s", flush=True)
+    result.write({"models": models, "target_ratio_to_reload_floor": 2.0,
+                  "meets_target": all(m["meets_target"] for m in models)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
