@@ -1,0 +1,52 @@
+"""Ctrl-C in the example: SIGINT mid-training ends the script and every child process within 10 s."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo_offpolicy.py"
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, deadline_s: float) -> list[str]:
+    seen: list[str] = []
+    end = time.monotonic() + deadline_s
+    assert proc.stdout is not None
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"{needle!r} not printed within {deadline_s}s; output:\n{''.join(seen)[-3000:]}")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_ctrl_c_mid_training_stops_script_and_children_within_10s(tmp_path: Path) -> None:
+    args = [sys.executable, str(EXAMPLE), "--out", str(tmp_path / "run"), "--hidden", "64", "--layers", "1",
+            "--warm-max-steps", "5", "--steps", "100000", "--n", "4", "--batch-groups", "2", "--eval-every", "0",
+            "--held-out", "10", "--tensorboard", "off", "--no-progress"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_line(proc, "held-out greedy accuracy before RL", deadline_s=240)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) > 1, "the engine runs in child processes"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        elapsed = time.monotonic() - t0
+        assert not alive, f"still running {elapsed:.1f}s after Ctrl-C: {[p.pid for p in alive]}"
+        out = proc.stdout.read() if proc.stdout else ""
+        assert "interrupted" in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
