@@ -141,8 +141,9 @@ class SyncTiming:
 
     version: int  # the version published
     pause_s: float  # pause_generation call until generation is paused
-    transfer_s: float  # weights moved into the engine (export + load)
+    transfer_s: float  # weights loaded into the engine while paused
     resume_s: float  # resume_generation call
     total_s: float  # lock acquired until resume returned (generation paused for about this long)
     mode: PauseMode
     clear_cache: bool
+    prepare_s: float = 0.0  # checks + serialisation done before the pause (generation kept running)

@@ -217,10 +217,15 @@ def qwen_spec(hidden: int, layers: int, vocab: int = 128, *, intermediate: int |
 
 
 def build_model(name: str, spec: Any) -> Path:
-    """A random Qwen2 model with a BPE tokenizer trained on the addition task, cached in ``.cache/bench``."""
+    """A random Qwen2 model with a BPE tokenizer trained on the addition task, cached in ``.cache/bench``.
+
+    ``ASYNCRL_BENCH_MODEL=DIR`` uses a model built beforehand instead (the H200 runs use a Qwen2-0.5B-shaped
+    model built in its own process by ``bench/gpu/build_qwen05.py``)."""
     from asyncrl.tasks import arithmetic
     from asyncrl.tiny import build_tiny
 
+    if os.environ.get("ASYNCRL_BENCH_MODEL"):
+        return Path(os.environ["ASYNCRL_BENCH_MODEL"])
     return build_tiny(CACHE / "models" / name, arithmetic.corpus(), spec)
 
 

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def base_checkpoint(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
     """The warm-started model every setting starts from, cached by its recipe in ``.cache/bench``."""
     recipe = {"hidden": 128, "layers": 2, "seed": args.seed, "target": args.warm_target, "task": task.name,
-              "held_out": args.held_out, "version": 1}
+              "train": len(task.train), "version": 1}
     out = ROOT / ".cache" / "bench" / "learning-base"
     marker = out / "warm_start.json"
     if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
@@ -119,8 +119,9 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
     return asyncrl.PipelineConfig(
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b),
-        queue=asyncrl.QueueConfig(capacity=b * max(1, s.max_staleness), max_staleness=s.max_staleness),
-        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, sync=asyncrl.SyncConfig(mode="keep")),
+        queue=asyncrl.QueueConfig(capacity=common.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness),
+        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
+                                      sync=asyncrl.SyncConfig(mode="keep")),
     )
 
 
@@ -174,6 +175,7 @@ async def run_all(args: argparse.Namespace, task: common.Task, base: Path) -> di
     engine = await VLLMEngine.start(cfg)
     results: dict[str, Any] = {}
     try:
+        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt))
         before = await common.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens)
         print(f"base checkpoint: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
         results["base_accuracy"] = before

@@ -37,11 +37,12 @@ RewardFn = Callable[[str, str], float]  # (completion text, reference answer) ->
 
 
 def set_env_defaults(cache: Path | None = None) -> None:
-    """Offline hub, quiet vLLM, a bounded CPU KV cache, and a project-local vLLM cache."""
+    """Offline hub, quiet vLLM and a project-local vLLM cache (the KV cache size comes from
+    ``VLLMEngineConfig.kv_cache_gib``)."""
     cache = cache or ROOT / ".cache"
     for key, value in {
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(cache / "vllm"), "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"), "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
     }.items():
         os.environ.setdefault(key, value)
@@ -163,7 +164,8 @@ def prompt_text(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> tuple[int, ...]:
-    return tuple(tokenizer(prompt_text(prompt, tokenizer), add_special_tokens=False).input_ids)
+    """Token ids of a prompt. A chat template already holds any BOS text, so none is added to its output."""
+    return tuple(tokenizer(prompt_text(prompt, tokenizer), add_special_tokens=isinstance(prompt, str)).input_ids)
 
 
 def rl_prompts(task: Task, tokenizer: Any, seed: int) -> Iterator[Any]:
@@ -183,6 +185,16 @@ def rl_prompts(task: Task, tokenizer: Any, seed: int) -> Iterator[Any]:
 def prompt_reward(task: Task) -> Callable[[Any, Any], float]:
     """The producer's reward function: ``task.reward`` on the sample's text vs the prompt's answer."""
     return lambda prompt, sample: task.reward(sample.text, prompt.answer)
+
+
+def queue_capacity(batch_groups: int, max_staleness: int) -> int:
+    """Rollout-queue size for asynchronous runs: ``batch_groups x max(1, max_staleness - 1)``.
+
+    When generation outpaces the learner (the usual case for a tiny model), a finished group waits about one
+    version blocked on the full queue and then ``capacity / batch_groups`` versions in it, so this keeps
+    most groups within ``max_staleness`` instead of generating work that is dropped as stale.
+    """
+    return batch_groups * max(1, max_staleness - 1)
 
 
 # ------------------------------------------------------------------------------------- tiny model + SFT
@@ -349,6 +361,13 @@ async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Examp
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(i, ex)) for i, ex in enumerate(problems)]
     return sum(t.result() for t in tasks) / max(1, len(problems))
+
+
+async def warm_up(engine: Any, prompt_ids: Sequence[int]) -> None:
+    """One sampled request with log-probs: vLLM's first such request pays a one-off cost of seconds."""
+    from asyncrl import SamplingConfig
+
+    await engine.generate(tuple(prompt_ids), SamplingConfig(n=1, max_tokens=2), request_id="asyncrl-warm-up")
 
 
 async def close_engine(engine: Any) -> None:

@@ -82,15 +82,28 @@ def prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
         yield Prompt(f"p{i}", ids, p.prompt, p.answer)
 
 
+# Engine start and shutdown run to the end even when the service is stopped meanwhile: a start abandoned
+# half-way, or a shutdown left to a thread nobody waits for, would leave vLLM's engine-core process behind.
+
+
 async def start_engine(cfg: VLLMEngineConfig) -> VLLMEngine:
-    """``VLLMEngine.start``, finished even if we are cancelled meanwhile (and then shut down): a start
-    abandoned half-way would leave vLLM's engine-core process behind."""
     starting = asyncio.ensure_future(VLLMEngine.start(cfg))
     try:
         return await asyncio.shield(starting)
     except asyncio.CancelledError:
-        await (await starting).close()
+        await close_engine(await starting)
         raise
+
+
+async def close_engine(engine: VLLMEngine) -> None:
+    closing = asyncio.ensure_future(engine.close())
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        await closing
+        raise
+    finally:
+        emit("engine_closed")
 
 
 async def produce(r: Rollouts, args: argparse.Namespace, token: str) -> None:
@@ -116,8 +129,7 @@ async def produce(r: Rollouts, args: argparse.Namespace, token: str) -> None:
     finally:
         r.control.engine = None
         if r.engine is not None:
-            await r.engine.close()
-            emit("engine_closed")
+            await close_engine(r.engine)
 
 
 def rollouts_ctx(args: argparse.Namespace, token: str):

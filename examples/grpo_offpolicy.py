@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     rl.add_argument("--lr", type=float, default=3e-4)
     rl.add_argument("--max-staleness", type=int, default=2, help="versions a group may lag the learner")
-    rl.add_argument("--queue-capacity", type=int, default=0, help="0 = batch-groups x max(1, max-staleness)")
+    rl.add_argument("--queue-capacity", type=int, default=0,
+                    help="0 = batch-groups x max(1, max-staleness - 1), see common.queue_capacity")
     rl.add_argument("--num-producers", type=int, default=1)
     rl.add_argument("--max-inflight", type=int, default=0, help="groups in flight per producer (0 = batch)")
     rl.add_argument("--pause-mode", choices=("keep", "abort", "wait"), default="keep")
@@ -117,7 +118,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
 def pipeline_config(args: argparse.Namespace) -> Any:
     import asyncrl
 
-    capacity = args.queue_capacity or args.batch_groups * max(1, args.max_staleness)
+    capacity = args.queue_capacity or common.queue_capacity(args.batch_groups, args.max_staleness)
     return asyncrl.PipelineConfig(
         producer=asyncrl.ProducerConfig(
             sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature),
@@ -125,7 +126,7 @@ def pipeline_config(args: argparse.Namespace) -> Any:
         ),
         queue=asyncrl.QueueConfig(capacity=capacity, max_staleness=args.max_staleness),
         learner=asyncrl.LearnerConfig(
-            batch_groups=args.batch_groups, lr=args.lr,
+            batch_groups=args.batch_groups, lr=args.lr, micro_batch_rollouts=args.batch_groups * args.n,
             sync=asyncrl.SyncConfig(every=args.sync_every, mode=args.pause_mode, clear_cache=args.clear_cache),
         ),
         num_producers=args.num_producers,
@@ -179,6 +180,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     engine = await VLLMEngine.start(engine_config(args, task, tok, model_dir))
     progress: common.ProgressHook | None = None
     try:
+        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt))
         engine_s = time.perf_counter() - t_engine
         accuracy = lambda: common.engine_greedy_accuracy(  # noqa: E731
             engine, tok, task.held_out, task.reward, args.max_tokens)

@@ -267,9 +267,20 @@ async def test_connect_waits_for_the_service_engine_to_start(model_dir: Path) ->
 
 
 PROBE_GAP_S = 0.02  # cadence of the latency probes (a measurement rate, not a wait for an event)
-MIN_PROBES = 50
+MIN_PROBES = 200
+# The embedded service's p99 may exceed a bare aiohttp server's p99, probed at the same moments on the same
+# machine, by at most this much. The baseline takes out machine-wide scheduling stalls: on a 2-core machine
+# shared with other vLLM runs (load 10+), both servers see 100-400 ms stalls while their CPU time stands still.
 LATENCY_P99_BOUND_S = 0.5
 EXIT_S = 10.0
+BARE_SERVICE = """
+import json, sys
+from aiohttp import web
+app = web.Application()
+app.router.add_get("/hello", lambda request: web.json_response({"hello": "world"}))
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None,
+            print=lambda _: print(json.dumps({"event": "listening"}), flush=True))
+"""
 
 
 class Child:
@@ -284,13 +295,12 @@ class Child:
         self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
-    async def start(cls, name: str, script: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
+    async def start(cls, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
         log = log_dir / f"{name}.stderr"
         with log.open("wb") as err:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(REPO / "examples" / script), *args, cwd=REPO, env=env,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
-                start_new_session=True, limit=1 << 20)
+                sys.executable, *argv, cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=err, start_new_session=True, limit=1 << 20)
         return cls(name, proc, log)
 
     async def _read(self) -> None:
@@ -324,7 +334,7 @@ class Child:
 
     def diagnostics(self) -> str:
         err = self.log.read_text(errors="replace").splitlines()[-30:] if self.log.exists() else []
-        return f"--- {self.name} stdout tail\n" + "\n".join(self.tail) + f"\n--- stderr tail\n" + "\n".join(err)
+        return f"--- {self.name} stdout tail\n" + "\n".join(self.tail) + "\n--- stderr tail\n" + "\n".join(err)
 
     def tree(self) -> list[psutil.Process]:
         """The process and its live descendants."""
@@ -335,7 +345,7 @@ class Child:
             return []
 
     async def kill_leftovers(self) -> None:
-        """Safety net for a failed test: SIGKILL the whole session, never leave processes behind."""
+        """Safety net for a failed test: SIGKILL the process, its descendants and its session."""
         for p in self.tree():
             try:
                 p.kill()
@@ -349,21 +359,29 @@ class Child:
         await self._reader
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+async def stop(child: Child, sig: signal.Signals) -> float:
+    """Signal ``child``; assert it and all its descendants exit (code 0) within EXIT_S. Returns the time taken."""
+    tree = child.tree()
+    t0 = time.monotonic()
+    child.proc.send_signal(sig)
+    _, alive = await asyncio.to_thread(psutil.wait_procs, tree, timeout=EXIT_S)
+    took = time.monotonic() - t0
+    assert not alive, f"{child.name}: still running {EXIT_S:.0f}s after {sig.name}: {alive}\n{child.diagnostics()}"
+    assert await asyncio.wait_for(child.proc.wait(), EXIT_S) == 0, child.diagnostics()
+    return took
 
 
-async def probe_latency(session: aiohttp.ClientSession, url: str, until: asyncio.Future[Any]) -> list[float]:
-    """GET ``url`` at a steady cadence until ``until`` is done and at least MIN_PROBES answered."""
-    latencies: list[float] = []
-    while len(latencies) < MIN_PROBES or not until.done():
-        t0 = time.perf_counter()
-        async with session.get(url) as resp:
-            assert resp.status == 200 and (await resp.json()) == {"hello": "world"}
-        latencies.append(time.perf_counter() - t0)
-        await asyncio.sleep(PROBE_GAP_S)
+async def probe_latency(session: aiohttp.ClientSession, urls: dict[str, str],
+                        until: asyncio.Future[Any]) -> dict[str, list[float]]:
+    """GET each of ``urls`` in turn, at a steady cadence, until ``until`` is done and each answered MIN_PROBES."""
+    latencies: dict[str, list[float]] = {name: [] for name in urls}
+    while len(latencies[next(iter(urls))]) < MIN_PROBES or not until.done():
+        for name, url in urls.items():
+            t0 = time.perf_counter()
+            async with session.get(url) as resp:
+                assert resp.status == 200 and (await resp.json()) == {"hello": "world"}
+            latencies[name].append(time.perf_counter() - t0)
+            await asyncio.sleep(PROBE_GAP_S)
     return latencies
 
 
@@ -377,31 +395,38 @@ async def http_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 @pytest.mark.timeout(420)
 async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(tiny_model_dir: Path,
                                                                                  tmp_path: Path) -> None:
-    token = secrets.token_urlsafe(16)
-    service_port, ingest_port = free_port(), free_port()
-    service_url = f"http://127.0.0.1:{service_port}"
-    env = {**os.environ, "ASYNCRL_TOKEN": token}
+    ports = {name: free_port() for name in ("service", "ingest", "bare")}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    env = {**os.environ, "ASYNCRL_TOKEN": secrets.token_urlsafe(16)}
     model = ["--model-dir", str(tiny_model_dir)]
-    learner = await Child.start("learner", "remote_learner.py", model + [
-        "--port", str(ingest_port), "--service-url", service_url, "--steps", "1000"], env, tmp_path)
-    service = await Child.start("service", "embedded_service.py", model + [
-        "--port", str(service_port), "--ingest-url", f"http://127.0.0.1:{ingest_port}"], env, tmp_path)
+    children: list[Child] = []
     try:
+        for name, argv in [
+            ("learner", ["examples/remote_learner.py", *model, "--port", str(ports["ingest"]),
+                         "--service-url", url["service"], "--steps", "1000"]),
+            ("service", ["examples/embedded_service.py", *model, "--port", str(ports["service"]),
+                         "--ingest-url", url["ingest"]]),
+            ("bare", ["-c", BARE_SERVICE, str(ports["bare"])]),
+        ]:
+            children.append(await Child.start(name, argv, env, tmp_path))
+        learner, service, bare = children
         await learner.wait_for("ingest ready", learner.event("ready"), 90)
-        await service.wait_for("listening", service.event("listening"), 90)
+        for child in (service, bare):
+            await child.wait_for("listening", child.event("listening"), 90)
         async with aiohttp.ClientSession() as session:
-            assert await http_json(session, f"{service_url}/hello") == {"hello": "world"}  # before the engine
+            assert await http_json(session, f"{url['service']}/hello") == {"hello": "world"}  # before the engine
             await service.wait_for("engine start", service.event("engine_ready"), 240)
-            first = await learner.wait_for("first step", lambda e: e["event"] == "step", 120)
-            # Rollouts stream now; probe the service's own route while the learner trains and publishes twice.
+            first = await learner.wait_for("first step", learner.event("step"), 120)
+            # Rollouts stream now: probe the service's own route while the learner trains and publishes twice.
             later = asyncio.ensure_future(learner.wait_for(
                 "two more publications", lambda e: e["event"] == "step" and e["version"] >= first["version"] + 2, 120))
             try:
-                latencies = await probe_latency(session, f"{service_url}/hello", later)
+                latencies = await probe_latency(
+                    session, {"embedded": f"{url['service']}/hello", "bare": f"{url['bare']}/hello"}, later)
             finally:
                 later.cancel()
             last = await later
-            stats = await http_json(session, f"{service_url}/stats")
+            stats = await http_json(session, f"{url['service']}/stats")
         assert last["groups_received"] > 0 and last["samples_trained"] > 0 and last["step"] >= 2
         assert stats["state"] == "producing" and stats["producer"]["groups"] >= last["groups_received"]
         assert stats["engine_version"] >= last["version"] >= 2 and stats["control/weights_200"] >= 2
@@ -409,42 +434,51 @@ async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(
         figures = latency_figures(latencies, first, last)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
-        print(f"\nGET /hello while rollouts stream: n={figures['n']} p50={figures['p50_ms']:.1f} ms "
-              f"p99={figures['p99_ms']:.1f} ms max={figures['max_ms']:.1f} ms "
-              f"({figures['publications_during']} weight publications during the probes)")
-        assert figures["p99_ms"] / 1000 < LATENCY_P99_BOUND_S
+        emb, ref = figures["embedded"], figures["bare_aiohttp"]
+        print(f"\nGET /hello while rollouts stream ({figures['publications_during']} publications): "
+              f"n={emb['n']} p50={emb['p50_ms']} ms p99={emb['p99_ms']} ms max={emb['max_ms']} ms; "
+              f"bare aiohttp at the same moments p50={ref['p50_ms']} ms p99={ref['p99_ms']} ms max={ref['max_ms']} ms")
+        assert emb["p99_ms"] < ref["p99_ms"] + LATENCY_P99_BOUND_S * 1000, figures
 
-        # Stop the learner (Ctrl-C), then the service (as its supervisor would): every process is gone within
-        # EXIT_S of the first signal. (Signalled at the same instant, a publication cut by the learner's
-        # shutdown may find the service already gone and end the learner with an EngineError.)
-        trees = service.tree() + learner.tree()
-        assert len(service.tree()) >= 2, "the service should own vLLM's engine-core process"
-        t0 = time.monotonic()
-        learner.proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(learner.proc.wait(), EXIT_S) == 0, learner.diagnostics()
-        service.proc.send_signal(signal.SIGTERM)
-        _, alive = await asyncio.to_thread(psutil.wait_procs, trees, timeout=max(0.1, EXIT_S - (time.monotonic() - t0)))
-        exit_s = time.monotonic() - t0
-        assert not alive, f"still running {EXIT_S:.0f}s after SIGINT/SIGTERM: {alive}\n{service.diagnostics()}"
-        assert await asyncio.wait_for(service.proc.wait(), EXIT_S) == 0, service.diagnostics()
+        # Stop the learner (Ctrl-C), then the service (as its supervisor would). Each process, and everything
+        # it started, is gone within EXIT_S of its signal. (Signalled at the same instant, a publication cut by
+        # the learner's shutdown may find the service already gone and end the learner with an EngineError.)
+        assert len(service.tree()) >= 3, "the service should own vLLM's engine-core and worker processes"
+        learner_s = await stop(learner, signal.SIGINT)
+        service_s = await stop(service, signal.SIGTERM)
         await service.wait_for("engine closed", service.event("engine_closed"), EXIT_S)
         await learner.wait_for("stopped", learner.event("stopped"), EXIT_S)
-        print(f"both processes and their {len(trees) - 2} descendants exited {exit_s:.1f}s after the first signal")
+        print(f"learner gone {learner_s:.1f}s after SIGINT; service and its engine processes gone {service_s:.1f}s "
+              f"after SIGTERM")
+        figures["shutdown_s"] = {"learner_after_sigint": round(learner_s, 2), "service_tree_after_sigterm": round(service_s, 2)}
+        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
     finally:
-        for child in (service, learner):
+        for child in children:
             await child.kill_leftovers()
 
 
-def latency_figures(latencies: list[float], first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summary_ms(latencies: list[float]) -> dict[str, float]:
     ms = [x * 1000 for x in latencies]
+    return {"n": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
+            "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2),
+            "mean_ms": round(statistics.mean(ms), 2)}
+
+
+def latency_figures(latencies: dict[str, list[float]], first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     return {
-        "what": "GET /hello of an aiohttp service embedding a vLLM engine and a producer (same event loop), "
-                "while rollouts stream to a learner in another process that publishes weights into it",
-        "n": len(ms), "probe_gap_s": PROBE_GAP_S,
-        "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
-        "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
-        "publications_during": last["version"] - first["version"], "sync_s_last": last["sync_s"],
-        "model": "tiny-arith (2 layers, hidden 128)", "sampling": {"n": 4, "max_tokens": 8, "inflight_groups": 2},
+        "what": "GET /hello of an aiohttp service embedding a vLLM engine and a producer in its event loop, while "
+                "rollouts stream to a learner in another process that publishes weights into it; 'bare_aiohttp' "
+                "is a plain aiohttp server probed alternately at the same moments (the machine's own noise)",
+        "embedded": summary_ms(latencies["embedded"]), "bare_aiohttp": summary_ms(latencies["bare"]),
+        "probe_gap_s": PROBE_GAP_S, "publications_during": last["version"] - first["version"],
+        "learner_steps_during": last["step"] - first["step"], "sync_s_last": round(last["sync_s"], 3),
+        "model": "tiny-arith (Qwen2, 2 layers, hidden 128)", "sampling": {"n": 4, "max_tokens": 8, "inflight_groups": 2},
         "machine": {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
                     "platform": platform.platform(), "python": platform.python_version()},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -1,13 +1,14 @@
 """``examples/grpo_offpolicy.py`` end to end, as a user runs it: a real subprocess, the real vLLM engine.
 
-Run A trains a tiny model built from a 5-line prompts file (plain and chat-format rows). Run B starts from the
-model run A saved (``--model``) on the built-in addition task, which proves vLLM loads the saved model and
-generates with it. Both runs use a few steps so the module stays around two minutes.
+Run A trains a tiny model built from a 5-line prompts file (plain, chat-format and GSM8K-style rows). Run B
+starts from the model run A saved (``--model``) on the built-in addition task, which proves vLLM loads the
+saved model and generates with it. Both runs take a few steps so the module stays around two minutes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +30,9 @@ PROMPTS = [
 ]
 
 
-def run_example(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def run_example(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *TINY, *extra], cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -42,7 +44,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
     a = run_example(tmp / "a", "--prompts", str(prompts))
-    b = run_example(tmp / "b", "--model", str(tmp / "a" / "model"), "--steps", "2")
+    # In-process engine core for run B: starts in ~9 s instead of ~20 s; the model load path is the same.
+    b = run_example(tmp / "b", "--model", str(tmp / "a" / "model"), "--steps", "2",
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return {"a": (tmp / "a", a.stdout), "b": (tmp / "b", b.stdout)}
 
 

@@ -26,11 +26,11 @@ from tests.test_vllm_engine import _max_diff, _prompt, _publish
 pytestmark = pytest.mark.vllm
 
 
-def engine_core_pid() -> int:
-    for proc in psutil.Process().children(recursive=True):
-        if "EngineCore" in " ".join(proc.cmdline()) or "EngineCore" in proc.name():
-            return proc.pid
-    raise AssertionError("no EngineCore process found")
+def engine_core_pids(exclude: set[int]) -> list[int]:
+    """EngineCore processes among this process's children, except those in ``exclude`` (other engines, such
+    as the session engine, are children too)."""
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.pid not in exclude and "EngineCore" in " ".join(p.cmdline()) + p.name()]
 
 
 def config() -> PipelineConfig:
@@ -41,10 +41,12 @@ def config() -> PipelineConfig:
     )
 
 
-def kill_after_step(pipe, step: int, killed_at: list[float]) -> None:
+def kill_after_step(pipe, step: int, killed_at: list[float], exclude: set[int]) -> None:
+    """Kill the current engine's core process (the only EngineCore not in ``exclude``) after ``step``."""
     def hook(s, metrics):
         if s == step and not killed_at:
-            os.kill(engine_core_pid(), signal.SIGKILL)
+            [pid] = engine_core_pids(exclude)
+            os.kill(pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
     pipe.learner.hooks.append(hook)
 
@@ -54,7 +56,7 @@ async def test_killed_engine_core_stops_the_run_with_an_error_naming_it(tiny_mod
     engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16), name="engine-A")
     pipe = build(engine, tiny_model_dir, tokenizer, config(), close_engine=True)
     killed_at: list[float] = []
-    kill_after_step(pipe, 1, killed_at)
+    kill_after_step(pipe, 1, killed_at, exclude=before)
     with pytest.raises(EngineError, match="engine-A") as err:
         await pipe.run(steps=1000)
     detected_s = time.monotonic() - killed_at[0]
@@ -75,7 +77,7 @@ async def test_killed_engine_core_is_restarted_and_training_continues(tiny_model
     engine = await SupervisedEngine.start(factory, max_restarts=1)
     pipe = build(engine, tiny_model_dir, tokenizer, config(), close_engine=True)
     killed_at: list[float] = []
-    kill_after_step(pipe, 2, killed_at)
+    kill_after_step(pipe, 2, killed_at, exclude=before)
     stats = await pipe.run(steps=5)
     assert killed_at and engine.restarts == 1 and starts == 2
     assert stats.steps == 5 and stats.version == 5

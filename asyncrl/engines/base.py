@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -43,6 +44,7 @@ class WeightUpdate:
 
     version: int  # the version these weights become once loaded
     tensors: Mapping[str, torch.Tensor]
+    staged: Path | None = None  # set by ``prepare_update``: validated and written, ready to load
 
 
 @runtime_checkable
@@ -93,4 +95,18 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Shut down and release processes. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class PreparesUpdates(Protocol):
+    """Engines that can do the slow part of an update (checks, serialisation) before generation pauses,
+    so the pause covers only the load itself. ``WeightSync`` uses this when the engine offers it."""
+
+    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+        """Validate and stage ``update``; raises ``WeightUpdateError`` with nothing applied."""
+        ...
+
+    def discard_update(self, update: WeightUpdate) -> None:
+        """Drop a prepared update that will not be loaded (the sync failed before loading it)."""
         ...

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import Engine, EngineError, WeightUpdate
+from asyncrl.engines.base import Engine, EngineError, PreparesUpdates, WeightUpdate
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,14 @@ class SupervisedEngine:
         await self._with_recovery(lambda e: e.update_weights(update))
         self._last_update = WeightUpdate(update.version,
                                          {k: v.detach().to("cpu", copy=True) for k, v in update.tensors.items()})
+
+    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+        inner = self._inner
+        return await inner.prepare_update(update) if isinstance(inner, PreparesUpdates) else update
+
+    def discard_update(self, update: WeightUpdate) -> None:
+        if isinstance(self._inner, PreparesUpdates):
+            self._inner.discard_update(update)
 
     async def check_alive(self) -> None:
         await self._with_recovery(lambda e: e.check_alive())

@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,13 @@ def _engine_args(cfg: VLLMEngineConfig) -> Any:
     if _is_cpu_platform():
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
-    elif cfg.kv_cache_gib > 0:
-        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
     else:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        # The learner usually lives in this process and has touched CUDA already: forked workers can't.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if cfg.kv_cache_gib > 0:  # a KV size in bytes also skips the memory-utilisation profiling
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     kwargs.update(cfg.extra)
     return AsyncEngineArgs(**kwargs)
 
@@ -240,20 +243,36 @@ class VLLMEngine:
         self._raise_if_dead()
         await self._call(self._llm.resume_generation())
 
-    async def update_weights(self, update: WeightUpdate) -> None:
+    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+        """Validate and write the update while generation still runs; only the load needs the pause."""
+        if update.staged is not None:
+            return update
         validate_update(update.tensors, self._manifest)
-        dtype = torch_dtype(next(iter(self._manifest.values())).dtype) if self._cfg.dtype == "auto" \
-            else _dtype_from_name(self._cfg.dtype)
-        staged = await asyncio.to_thread(stage, update.tensors, dtype)
+        staged = await asyncio.to_thread(stage, update.tensors, self._dtype)
+        return replace(update, staged=staged)
+
+    def discard_update(self, update: WeightUpdate) -> None:
+        if update.staged is not None and update.staged != self._good_weights:
+            shutil.rmtree(update.staged, ignore_errors=True)
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        update = await self.prepare_update(update)
+        assert update.staged is not None
         try:
-            await self._reload(staged)
+            await self._reload(update.staged)
         except BaseException as exc:
-            shutil.rmtree(staged, ignore_errors=True)
+            self.discard_update(update)
             await self._restore_after_failed_reload(exc)
             raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc!r}); previous weights "
                                     f"restored, version stays {self._version}") from exc
         await self._set_version(update.version)
-        self._replace_good_weights(staged)
+        self._replace_good_weights(update.staged)
+
+    @property
+    def _dtype(self) -> Any:
+        if self._cfg.dtype == "auto":
+            return torch_dtype(next(iter(self._manifest.values())).dtype)
+        return _dtype_from_name(self._cfg.dtype)
 
     async def _reload(self, weights_dir: Path) -> None:
         await self._call(self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)}))

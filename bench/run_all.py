@@ -1,0 +1,48 @@
+"""Run every benchmark, each in its own subprocess (``make bench``; ``make bench ARGS=--quick``).
+
+    python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
+
+Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, vs_trl, learning (when
+``bench/learning.py`` exists). ``--quick`` is passed to each. Each writes ``bench/results/<name>_<device>.json``;
+a benchmark that fails is reported and the others still run. Exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "vs_trl", "learning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="passed to every benchmark")
+    p.add_argument("--only", nargs="*", choices=ORDER, help="run just these")
+    p.add_argument("--skip", nargs="*", choices=ORDER, default=[], help="leave these out")
+    args = p.parse_args(argv)
+    names = [n for n in ORDER if (BENCH / f"{n}.py").exists() and (not args.only or n in args.only)
+             and n not in args.skip]
+    failed: list[str] = []
+    times: dict[str, float] = {}
+    for name in names:
+        cmd = [sys.executable, str(BENCH / f"{name}.py"), *(["--quick"] if args.quick else [])]
+        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=BENCH.parent).returncode
+        times[name] = time.perf_counter() - t0
+        if rc != 0:
+            failed.append(name)
+            print(f"=== {name} FAILED (exit {rc})", flush=True)
+    print("\n=== summary")
+    for name in names:
+        print(f"  {name:<14} {'FAILED' if name in failed else 'ok':<7} {times[name]:>6.0f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

