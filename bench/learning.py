@@ -55,13 +55,15 @@ class Setting:
     is_level: str  # "token" or "none"
 
 
+# Sync and the corrected async runs go first, back to back, so load drift on a shared machine biases their
+# wall-time comparison as little as possible.
 SETTINGS = (
     Setting("sync", True, 0, "token"),
     Setting("async_s1", False, 1, "token"),
-    Setting("async_s1_no_is", False, 1, "none"),
     Setting("async_s2", False, 2, "token"),
-    Setting("async_s2_no_is", False, 2, "none"),
     Setting("async_s4", False, 4, "token"),
+    Setting("async_s1_no_is", False, 1, "none"),
+    Setting("async_s2_no_is", False, 2, "none"),
     Setting("async_s4_no_is", False, 4, "none"),
 )
 
@@ -146,6 +148,7 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: common.Task, args
     evals = common.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
     progress = common.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
     pipeline.learner.hooks += [evals, progress]
+    load_before = os.getloadavg()[0]
     try:
         stats = await (pipeline.run_synchronous if s.synchronous else pipeline.run)(args.steps)
     finally:
@@ -160,6 +163,7 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: common.Task, args
         "wall_s_with_eval": stats.wall_s, "eval_s": evals.seconds, "train_s": stats.train_s,
         "sync_s": stats.sync_s, "gen_s": stats.gen_s, "samples_per_s": stats.samples_trained /
         max(1e-9, stats.wall_s - evals.seconds), "dropped": stats.dropped, "unaccounted": stats.unaccounted,
+        "loadavg_1min": [load_before, os.getloadavg()[0]],  # before and after: other jobs skew wall times
         "curve": [{"step": 0, "accuracy": before, "wall_s": 0.0}]
         + [{"step": st, "accuracy": a, "wall_s": c} for st, a, c in evals.points],
     }

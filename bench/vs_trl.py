@@ -13,7 +13,8 @@ Profiles (both sides get the same prompts in the same order, GRPO with n complet
 clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 
 - ``demo``: a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers), warm-started by supervised teacher
-  forcing (``examples/common.py``) to ~30% held-out greedy accuracy; 8 prompts x 8 completions of <= 8
+  forcing (``examples/common.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
+  cached in ``.cache/bench/vs-trl``); 8 prompts x 8 completions of <= 8
   tokens per step. Both trained models are then scored on the same 200 held-out problems with the same
   greedy decoder (transformers): ``accuracy_ours`` / ``accuracy_trl`` (``accuracy_base`` before RL).
 - ``genheavy``: a ~19M-param model (hidden 512, 6 layers), 4 prompts x 8 completions of exactly 128
@@ -70,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--warm-target", type=float, default=0.3)
+    p.add_argument("--warm-max-steps", type=int, default=600,
+                   help="cap on the warm start's SFT steps (~0.3-0.7 s each for the 4.7M model on 2 busy cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-timeout", type=int, default=1800, help="seconds per TRL subprocess")
     common.add_engine_flags(p, max_num_seqs=64)
@@ -123,7 +126,7 @@ def run_trl(args: argparse.Namespace, spec: dict[str, Any], work: Path, name: st
 def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any, ex: Any) -> tuple[Path, dict]:
     """The checkpoint both sides start from, cached by its recipe."""
     recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
-              "target": args.warm_target, "held_out": args.held_out, "version": 1}
+              "target": args.warm_target, "max_steps": args.warm_max_steps, "held_out": args.held_out, "version": 1}
     out = common.CACHE / "vs-trl" / name
     marker = out / "recipe.json"
     if marker.exists() and json.loads(marker.read_text())["recipe"] == recipe:
@@ -132,7 +135,8 @@ def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: 
     ex.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
     info: dict[str, Any] = {}
     if prof["warm"]:
-        r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=args.seed), progress=False)
+        r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps,
+                                                        seed=args.seed), progress=False)
         info = {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
     marker.write_text(json.dumps({"recipe": recipe, "warm_start": info}))
     return out, info
