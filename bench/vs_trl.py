@@ -1,7 +1,7 @@
 """asyncrl vs TRL's GRPOTrainer on this machine: same model, task, prompts and number of trained samples.
 
-    python bench/vs_trl.py            # demo 60 steps, gen-heavy 8 steps
-    python bench/vs_trl.py --quick    # demo 20 steps, gen-heavy 4 steps (< 15 min incl. TRL)
+    python bench/vs_trl.py            # demo 60 steps, gen-heavy 6 steps
+    python bench/vs_trl.py --quick    # demo 20 steps, gen-heavy 2 steps (< 15 min incl. TRL)
 
 TRL runs as a user would install it, in its own venv (``--trl-python``, default ``.cache/trl-venv``, created
 with ``--setup-trl``: ``python3 -m venv`` + ``pip install trl==1.16.0 torch==<ours> transformers==<ours>``),
@@ -51,7 +51,7 @@ PROFILES = {
     # name: model shape, batch shape, steps (full, quick), lr, fixed length, reward, warm start
     "demo": dict(hidden=256, layers=6, batch_groups=8, n=8, max_tokens=8, steps=(60, 20), lr=2e-4,
                  fixed_length=False, reward="exact", warm=True),
-    "genheavy": dict(hidden=512, layers=6, batch_groups=4, n=8, max_tokens=128, steps=(8, 4), lr=1e-5,
+    "genheavy": dict(hidden=512, layers=6, batch_groups=4, n=8, max_tokens=128, steps=(6, 2), lr=1e-5,
                      fixed_length=True, reward="prefix", warm=False),
 }
 
@@ -215,9 +215,11 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     order = list(task.train)
     random.Random(args.seed).shuffle(order)
-    chosen = order[: steps * prof["batch_groups"]]
+    chosen = order[: steps * prof["batch_groups"]]  # what TRL trains on, in this order
+    # Ours starts with the same prompts; more follow in case groups are dropped as too stale (the learner stops
+    # after ``steps`` steps either way, so both sides train on the same number of samples).
     prompts = [asyncrl.Prompt(f"train-{i}", ex.encode_prompt(tok, e.prompt), e.prompt, e.answer)
-               for i, e in enumerate(chosen)]
+               for i, e in enumerate(order)]
     params = common.param_count(model_dir)
     print(f"[{name}] {params / 1e6:.1f}M params, {steps} steps x {prof['batch_groups']} prompts x {prof['n']} "
           f"completions of {'exactly ' if prof['fixed_length'] else '<= '}{prof['max_tokens']} tokens", flush=True)

@@ -165,13 +165,25 @@ def load_policy(model_dir: Path, frozen: bool = False) -> Any:
 # ------------------------------------------------------------------------------------------------- run
 
 
+def build_pipeline(args: argparse.Namespace, engine: Any, task: common.Task, tok: Any, model_dir: Path,
+                   monitor: Any) -> Any:
+    """GRPO on ``engine`` through ``asyncrl.recipes.grpo_pipeline``; the engine outlives the pipeline."""
+    from asyncrl.recipes import grpo_pipeline
+
+    return grpo_pipeline(
+        engine, load_policy(model_dir), common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
+        pipeline_config(args), loss_config=loss_config(args), pad_id=_pad_id(tok),
+        ref_model=load_policy(model_dir, frozen=True) if args.kl_coef > 0 else None, monitor=monitor,
+        close_engine=False,  # closed in main(), after the final evaluation
+    )
+
+
 async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> dict[str, Any]:
     """Engine up -> accuracy before -> GRPO for ``args.steps`` -> accuracy after -> save. Always shuts down."""
     from transformers import AutoTokenizer
 
     from asyncrl.engines.vllm_local import VLLMEngine
     from asyncrl.metrics import make_monitor
-    from asyncrl.recipes import grpo_pipeline
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     (args.out / "metrics.jsonl").unlink(missing_ok=True)
@@ -182,25 +194,17 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     try:
         await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt))
         engine_s = time.perf_counter() - t_engine
-        accuracy = lambda: common.engine_greedy_accuracy(  # noqa: E731
-            engine, tok, task.held_out, task.reward, args.max_tokens)
-        before = await accuracy()
-        print(f"engine up in {engine_s:.0f}s; held-out greedy accuracy before RL: {before:.1%}", flush=True)
-        pipeline = grpo_pipeline(
-            engine, load_policy(model_dir), common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
-            pipeline_config(args), loss_config=loss_config(args), pad_id=_pad_id(tok),
-            ref_model=load_policy(model_dir, frozen=True) if args.kl_coef > 0 else None, monitor=monitor,
-            close_engine=False,
-        )
         evals = common.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+        before = await evals.evaluate(0)
+        print(f"engine up in {engine_s:.0f}s; held-out greedy accuracy before RL: {before:.1%}", flush=True)
+        pipeline = build_pipeline(args, engine, task, tok, model_dir, monitor)
         progress = common.ProgressHook(args.steps, disable=args.no_progress)
         pipeline.learner.hooks += [evals, progress]
-        run = pipeline.run_synchronous if args.synchronous else pipeline.run
-        stats = await run(args.steps)
+        stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
         progress.close()
         if pipeline.learner.step % args.sync_every:  # the last steps were not published yet
             await pipeline.learner.publish()
-        after = await accuracy()
+        after = await evals.evaluate(stats.steps)
     finally:
         if progress is not None:
             progress.close()

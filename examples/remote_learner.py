@@ -64,7 +64,8 @@ async def main(args: argparse.Namespace, token: str) -> None:
             def report(step: int, metrics: dict[str, float]) -> None:
                 emit("step", step=step, version=learner.version, groups_received=ingest.counts["groups_stored"],
                      samples_trained=learner.samples_trained, reward_mean=metrics.get("train/reward_mean"),
-                     staleness_mean=metrics["rollout/staleness_batch_mean"], sync_s=metrics.get("sync/total_s"))
+                     staleness_mean=metrics["rollout/staleness_batch_mean"], sync_s=metrics.get("sync/total_s"),
+                     prepare_s=metrics.get("sync/prepare_s"))
 
             learner.hooks.append(report)
             await learner.run(args.steps)

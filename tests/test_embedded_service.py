@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,26 @@ WAIT_S = 5.0  # bound on any awaited event in the fast tests
 
 
 class CheckedFakeEngine(FakeEngine):
-    """A FakeEngine that validates updates against a manifest, as the real engines do."""
+    """A FakeEngine that validates updates against a manifest and prepares them ahead, as VLLMEngine does."""
 
     def __init__(self, manifest: dict[str, ParamSpec]) -> None:
         super().__init__()
         self.manifest = manifest
+        self.prepared: list[int] = []  # versions prepared
+        self.discarded: list[int] = []  # versions discarded unloaded
+
+    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+        assert self._running.is_set(), "prepared while paused: the pause should cover only the load"
+        validate_update(update.tensors, self.manifest)
+        self.prepared.append(update.version)
+        return replace(update, staged=Path(f"/prepared/v{update.version}"))
+
+    def discard_update(self, update: WeightUpdate) -> None:
+        self.discarded.append(update.version)
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        validate_update(update.tensors, self.manifest)
+        if update.staged is None:
+            validate_update(update.tensors, self.manifest)
         await super().update_weights(update)
 
 
@@ -179,7 +192,27 @@ async def test_weights_post_loads_the_staged_tensors_and_a_refused_update_is_409
         status, reply = await call(url, "GET", "version")
         assert (status, reply["version"], reply["paused"], reply["max_model_len"]) == (200, 1, False, 256)
         assert control.counts["weights_200"] == 1 and control.counts["weights_409"] == 1
-    assert engine.version == 1 and engine._running.is_set()
+    assert engine.version == 1 and engine._running.is_set() and engine.prepared == []
+
+
+@pytest.mark.timeout(30)
+async def test_prepare_then_load_only_the_prepared_version(model_dir: Path, staging: Path) -> None:
+    engine = CheckedFakeEngine(read_manifest(model_dir))
+    async with control_server(engine) as (url, control):
+        status, reply = await call(url, "POST", "weights", {"version": 2})
+        assert status == 409 and "no prepared update for version 2" in reply["error"]
+        for version in (1, 2):  # the second prepare replaces (discards) the first
+            path = str(stage(weights(seed=version), torch.float32, staging))
+            assert await call(url, "POST", "prepare", {"version": version, "path": path}) == (200, {"prepared": version})
+        assert (engine.prepared, engine.discarded) == ([1, 2], [1])
+        assert (await call(url, "POST", "weights", {"version": 1}))[0] == 409  # not the prepared one; kept
+        assert await call(url, "POST", "weights", {"version": 2}) == (200, {"version": 2})
+        assert torch.equal(engine.weights["layer.bias"], weights(seed=2)["layer.bias"])
+        assert (await call(url, "POST", "weights", {"version": 2}))[0] == 409  # loaded once, then gone
+        path = str(stage(weights(seed=3), torch.float32, staging))
+        assert (await call(url, "POST", "prepare", {"version": 3, "path": path}))[0] == 200
+        control.engine = None  # the service's engine goes away: its prepared update is dropped
+        assert engine.discarded == [1, 3]
 
 
 @pytest.mark.timeout(30)
@@ -197,7 +230,7 @@ async def test_weights_root_confines_paths_and_unstarted_or_dead_engines_are_503
         status, reply = await call(url, "GET", "health", token=None)
         assert status == 503 and "marked dead" in reply["error"]
         assert (await call(url, "POST", "pause", {"mode": "keep", "clear_cache": False}))[0] == 503
-    assert len(engine_control_routes(FakeEngine(), TOKEN, prefix="/rl/")) == 5
+    assert len(engine_control_routes(FakeEngine(), TOKEN, prefix="/rl/")) == 6
     with pytest.raises(ConfigError, match="EngineControl.token"):
         EngineControl(None, "has space")
 
@@ -223,6 +256,7 @@ async def test_remote_control_engine_drives_the_standard_weight_sync(model_dir: 
             new = weights(seed=2)
             timing = await WeightSync(remote, SyncConfig(mode="keep")).publish(new, version=1)
             assert timing.version == 1 and remote.version == engine.version == 1
+            assert engine.prepared == [1]  # checked and staged by the service before the pause
             assert all(torch.equal(engine.weights[k], new[k]) for k in new)
             assert engine._running.is_set() and not control.paused  # resumed
             assert list(staging.iterdir()) == []  # the staged copy was deleted once loaded
@@ -231,10 +265,14 @@ async def test_remote_control_engine_drives_the_standard_weight_sync(model_dir: 
                 await remote.generate((1, 2), SamplingConfig(), "r0")
             with pytest.raises(WeightUpdateError, match="NaN"):  # refused here, nothing sent
                 await remote.update_weights(WeightUpdate(2, {**new, "layer.bias": torch.full((3,), torch.nan)}))
-            assert control.counts["weights_200"] == 1 and control.counts.total() == 5  # version, 3 sync, health
+            # version, prepare + pause + weights + resume, health
+            assert control.counts["weights_200"] == 1 and control.counts.total() == 6
             engine.manifest = {**engine.manifest, "extra.weight": ParamSpec((1,), "F32")}
             with pytest.raises(WeightUpdateError, match="HTTP 409.*missing \\['extra.weight'\\]"):
-                await remote.update_weights(WeightUpdate(2, new))  # refused by the service's engine
+                await WeightSync(remote, SyncConfig()).publish(new, version=2)  # refused by the service's engine
+            assert control.counts["prepare_409"] == 1 and control.counts["pause_200"] == 1  # refused before pausing
+            with pytest.raises(WeightUpdateError, match="HTTP 409.*missing \\['extra.weight'\\]"):
+                await remote.update_weights(WeightUpdate(2, new))  # one shot, not prepared: refused too
             assert remote.version == engine.version == 1 and list(staging.iterdir()) == []
         finally:
             await remote.close()
@@ -367,7 +405,8 @@ async def stop(child: Child, sig: signal.Signals) -> float:
     _, alive = await asyncio.to_thread(psutil.wait_procs, tree, timeout=EXIT_S)
     took = time.monotonic() - t0
     assert not alive, f"{child.name}: still running {EXIT_S:.0f}s after {sig.name}: {alive}\n{child.diagnostics()}"
-    assert await asyncio.wait_for(child.proc.wait(), EXIT_S) == 0, child.diagnostics()
+    code = await asyncio.wait_for(child.proc.wait(), EXIT_S)
+    assert code == 0, f"{child.name} exited with code {code} after {sig.name}\n{child.diagnostics()}"
     return took
 
 

@@ -3,9 +3,10 @@
 Server side, inside the service that owns the engine (and its event loop): ``EngineControl`` (or the
 shortcut ``engine_control_routes``) adds five routes to the service's own aiohttp app::
 
+    POST {prefix}/prepare  {"version": int, "path": "/dev/shm/.asyncrl-staging-x"} -> {"prepared": int}
     POST {prefix}/pause    {"mode": "keep"|"wait"|"abort", "clear_cache": bool}   -> {"paused": true, ...}
+    POST {prefix}/weights  {"version": int} (the prepared one) or {"version", "path"} -> {"version": int}
     POST {prefix}/resume                                                          -> {"paused": false, ...}
-    POST {prefix}/weights  {"version": int, "path": "/dev/shm/.asyncrl-staging-x"} -> {"version": int}
     GET  {prefix}/version                                                         -> {"version", "max_model_len", ...}
     GET  {prefix}/health   (no auth)                                              -> {"ok": true} or 503
 
@@ -17,9 +18,11 @@ front (plain HTTP, token-only auth).
 
 Weights travel as files: the learner stages a safetensors directory on a filesystem both processes see
 (``/dev/shm`` on one machine), posts its path, and deletes it once answered; the service reads the tensors in
-a worker thread and calls ``engine.update_weights`` (which validates them). A learner that dies between pause
-and resume would leave generation paused forever, so a pause is a lease: without a resume (or a weights post)
-within ``max_pause_s`` the service resumes by itself.
+a worker thread. ``prepare`` does that, plus the engine's own checks and staging (``PreparesUpdates``), while
+generation still runs, so the pause covers only the load; the service holds one prepared update at a time (a
+new prepare replaces it). ``weights`` with a path does all of it in one call. A learner that dies between
+pause and resume would leave generation paused forever, so a pause is a lease: without a resume (or a weights
+post) within ``max_pause_s`` the service resumes by itself.
 
 Client side, in the learner's process: ``RemoteControlEngine`` is the control half of the Engine Protocol
 (pause / update_weights / resume / version / check_alive / close), so the standard ``WeightSync`` and
@@ -44,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from asyncrl.config import ConfigError, SamplingConfig
-from asyncrl.engines.base import Engine, EngineError, WeightUpdate, WeightUpdateError
+from asyncrl.engines.base import Engine, EngineError, PreparesUpdates, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
 from asyncrl.types import PauseMode, Sample
 
@@ -76,7 +79,7 @@ class EngineControl:
 
     def __init__(self, engine: Engine | None, token: str, *, max_pause_s: float = 300.0,
                  weights_root: str | Path | None = None) -> None:
-        self.engine = engine  # None until the service's engine is up: calls answer 503 meanwhile
+        self._engine = engine
         self._token = _check_token("EngineControl", token).encode()
         if not isinstance(max_pause_s, int | float) or not max_pause_s > 0:
             raise ConfigError("EngineControl.max_pause_s", f"must be > 0 (math.inf: no lease), got {max_pause_s!r}")
@@ -87,10 +90,22 @@ class EngineControl:
         self.counts: Counter[str] = Counter()  # requests by route and HTTP status
         self._lock = asyncio.Lock()  # one control call at a time
         self._lease: asyncio.Task[None] | None = None
+        self._prepared: WeightUpdate | None = None  # the update ``prepare`` readied for the next load
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine under control; None until the service's engine is up (calls answer 503 meanwhile)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine | None) -> None:
+        self._discard_prepared()  # prepared for the old engine (and holding its staging directory)
+        self._engine = engine
 
     def routes(self, prefix: str = CONTROL_PREFIX) -> list[web.RouteDef]:
         prefix = prefix.rstrip("/")
         return [
+            self._route("POST", f"{prefix}/prepare", self._prepare),
             self._route("POST", f"{prefix}/pause", self._pause),
             self._route("POST", f"{prefix}/resume", self._resume),
             self._route("POST", f"{prefix}/weights", self._weights),
@@ -99,11 +114,12 @@ class EngineControl:
         ]
 
     async def close(self) -> None:
-        """Cancel a pending pause lease (call from the service's cleanup). The engine is not touched."""
+        """Cancel a pending pause lease and drop a prepared update (call from the service's cleanup)."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.cancel()
             await asyncio.gather(lease, return_exceptions=True)
+        self._discard_prepared()
 
     def metrics(self) -> dict[str, float]:
         return {f"control/{key}": value for key, value in sorted(self.counts.items())} | {
@@ -167,19 +183,43 @@ class EngineControl:
             self.paused = False
         return {"paused": False, "version": engine.version}
 
-    async def _weights(self, engine: Engine, request: web.Request) -> dict[str, Any]:
+    async def _prepare(self, engine: Engine, request: web.Request) -> dict[str, Any]:
         body = await _json_object(request, {"version": int, "path": str})
-        if body["version"] < 0:
-            raise _HTTPError(400, f"version: must be >= 0, got {body['version']}")
-        path = self._weights_dir(body["path"])
-        t0 = time.perf_counter()
-        tensors = await asyncio.to_thread(_read_tensors, path)
+        update = await self._read_update(body)
         async with self._lock:
-            await engine.update_weights(WeightUpdate(version=body["version"], tensors=tensors))
+            self._discard_prepared()
+            if isinstance(engine, PreparesUpdates):
+                update = await engine.prepare_update(update)  # checks + staging, generation still running
+            self._prepared = update
+        return {"prepared": update.version}
+
+    async def _weights(self, engine: Engine, request: web.Request) -> dict[str, Any]:
+        body = await _json_object(request, {"version": int, "path": str}, optional=("path",))
+        t0 = time.perf_counter()
+        update = await self._read_update(body) if "path" in body else None
+        async with self._lock:
+            if update is None:
+                update, self._prepared = self._prepared, None
+                if update is None or update.version != body["version"]:
+                    self._prepared = update
+                    raise WeightUpdateError(f"no prepared update for version {body['version']} "
+                                            f"(prepared: {update.version if update else None}); prepare it first")
+            await engine.update_weights(update)
             if self.paused:
                 self._start_lease(engine)  # the load took time out of the lease; give the resume a full one
-        log.info("engine control: loaded v%d from %s in %.2fs", engine.version, path, time.perf_counter() - t0)
+        log.info("engine control: loaded v%d in %.2fs", engine.version, time.perf_counter() - t0)
         return {"version": engine.version}
+
+    async def _read_update(self, body: dict[str, Any]) -> WeightUpdate:
+        if body["version"] < 0:
+            raise _HTTPError(400, f"version: must be >= 0, got {body['version']}")
+        tensors = await asyncio.to_thread(_read_tensors, self._weights_dir(body["path"]))
+        return WeightUpdate(version=body["version"], tensors=tensors)
+
+    def _discard_prepared(self) -> None:
+        update, self._prepared = self._prepared, None
+        if update is not None and isinstance(self._engine, PreparesUpdates):
+            self._engine.discard_update(update)
 
     async def _version(self, engine: Engine, request: web.Request) -> dict[str, Any]:
         return {"version": engine.version, "max_model_len": engine.max_model_len, "name": engine.name,
@@ -240,17 +280,21 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-async def _json_object(request: web.Request, fields: dict[str, type]) -> dict[str, Any]:
-    """The body as a JSON object with exactly ``fields``, each of its type (bool is not an int)."""
+async def _json_object(request: web.Request, fields: dict[str, type], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The body as a JSON object with ``fields`` (all but ``optional`` required), each of its type (a bool is
+    not an int)."""
     try:
         body = json.loads(await request.text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _HTTPError(400, f"body: not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise _HTTPError(400, f"body: must be a JSON object with {sorted(fields)}")
-    if set(body) != set(fields):
-        raise _HTTPError(400, f"body: expected fields {sorted(fields)}, got {sorted(body)}")
+    if not set(fields) - set(optional) <= set(body) <= set(fields):
+        raise _HTTPError(400, f"body: expected fields {sorted(fields)}"
+                              f"{f' ({sorted(optional)} optional)' if optional else ''}, got {sorted(body)}")
     for name, kind in fields.items():
+        if name not in body:
+            continue
         value = body[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise _HTTPError(400, f"{name}: must be {kind.__name__}, got {value!r}")
@@ -284,9 +328,11 @@ class ControlError(EngineError):
 class RemoteControlEngine:
     """The control half of the Engine Protocol, over ``EngineControl`` routes in another process.
 
-    Give it to ``WeightSync`` / ``Learner`` as their engine. ``update_weights`` validates the update against
-    ``model_dir``'s parameters, stages it with ``weights.stage`` under ``staging_dir`` (default ``/dev/shm``;
-    the service must be able to read it), posts the path and deletes the directory once answered.
+    Give it to ``WeightSync`` / ``Learner`` as their engine. It is ``PreparesUpdates``: before the pause,
+    ``prepare_update`` validates the update against ``model_dir``'s parameters, stages it with
+    ``weights.stage`` under ``staging_dir`` (default ``/dev/shm``; the service must be able to read it), has
+    the service read and prepare it, and deletes the directory; ``update_weights`` then only asks the paused
+    service to load it. An update that was not prepared is staged and posted in one call.
     """
 
     def __init__(self, url: str, token: str, model_dir: str | Path, *, prefix: str = CONTROL_PREFIX,
@@ -309,6 +355,7 @@ class RemoteControlEngine:
         self._session: aiohttp.ClientSession | None = None
         self._version = 0
         self._max_model_len = 0
+        self._prepared: int | None = None  # version of the update the service holds prepared
         self._closed = False
 
     def __repr__(self) -> str:  # never show the token
@@ -370,19 +417,28 @@ class RemoteControlEngine:
     async def resume(self) -> None:
         await self._call("POST", "/resume", {})
 
+    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+        self._prepared = None
+        await self._post_staged("/prepare", update)
+        self._prepared = update.version
+        return update
+
+    def discard_update(self, update: WeightUpdate) -> None:
+        self._prepared = None  # the service drops its copy when the next update is prepared
+
     async def update_weights(self, update: WeightUpdate) -> None:
-        validate_update(update.tensors, self._manifest)  # refuse here, before anything is written or sent
-        staged = await _stage(update, self._dtype, self._staging_root)
+        prepared, self._prepared = self._prepared == update.version, None
         try:
-            reply = await self._call("POST", "/weights", {"version": update.version, "path": str(staged)})
+            if prepared:
+                reply = await self._call("POST", "/weights", {"version": update.version})
+            else:
+                reply = await self._post_staged("/weights", update)
         except ControlError as exc:
             if exc.status is not None or await self._version_or_none() != update.version:
                 raise
             log.warning("%s: answer to the weights post was lost, but the engine reports v%d", self.name,
                         update.version)
             reply = {"version": update.version}
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)  # the service has read (and re-staged) the tensors
         self._version = int(reply["version"])
 
     async def check_alive(self) -> None:
@@ -399,6 +455,15 @@ class RemoteControlEngine:
             await session.close()
 
     # -- internals
+
+    async def _post_staged(self, path: str, update: WeightUpdate) -> dict[str, Any]:
+        """Validate and stage ``update``, post its directory to ``path``, delete the directory once answered."""
+        validate_update(update.tensors, self._manifest)  # refuse here, before anything is written or sent
+        staged = await _stage(update, self._dtype, self._staging_root)
+        try:
+            return await self._call("POST", path, {"version": update.version, "path": str(staged)})
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)  # the service has read the tensors (or failed to)
 
     async def _version_or_none(self) -> int | None:
         try:
