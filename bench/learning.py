@@ -179,7 +179,8 @@ async def run_all(args: argparse.Namespace, task: common.Task, base: Path) -> di
     engine = await VLLMEngine.start(cfg)
     results: dict[str, Any] = {}
     try:
-        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt))
+        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt),
+                             pipeline_config(args, SETTINGS[0]).producer.sampling, args.batch_groups)
         before = await common.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens)
         print(f"base checkpoint: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
         results["base_accuracy"] = before

@@ -363,11 +363,12 @@ async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Examp
     return sum(t.result() for t in tasks) / max(1, len(problems))
 
 
-async def warm_up(engine: Any, prompt_ids: Sequence[int]) -> None:
-    """One sampled request with log-probs: vLLM's first such request pays a one-off cost of seconds."""
-    from asyncrl import SamplingConfig
-
-    await engine.generate(tuple(prompt_ids), SamplingConfig(n=1, max_tokens=2), request_id="asyncrl-warm-up")
+async def warm_up(engine: Any, prompt_ids: Sequence[int], sampling: Any, groups: int) -> None:
+    """Sample ``groups`` groups at once, as a training batch does: vLLM's first requests with log-probs, and
+    its first large batches, pay one-off costs of seconds that would otherwise land in the first steps."""
+    async with asyncio.TaskGroup() as tg:
+        for i in range(groups):
+            tg.create_task(engine.generate(tuple(prompt_ids), sampling, request_id=f"asyncrl-warm-up-{i}"))
 
 
 async def close_engine(engine: Any) -> None:

@@ -165,14 +165,14 @@ def load_policy(model_dir: Path, frozen: bool = False) -> Any:
 # ------------------------------------------------------------------------------------------------- run
 
 
-def build_pipeline(args: argparse.Namespace, engine: Any, task: common.Task, tok: Any, model_dir: Path,
-                   monitor: Any) -> Any:
+def build_pipeline(args: argparse.Namespace, config: Any, engine: Any, task: common.Task, tok: Any,
+                   model_dir: Path, monitor: Any) -> Any:
     """GRPO on ``engine`` through ``asyncrl.recipes.grpo_pipeline``; the engine outlives the pipeline."""
     from asyncrl.recipes import grpo_pipeline
 
     return grpo_pipeline(
         engine, load_policy(model_dir), common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
-        pipeline_config(args), loss_config=loss_config(args), pad_id=_pad_id(tok),
+        config, loss_config=loss_config(args), pad_id=_pad_id(tok),
         ref_model=load_policy(model_dir, frozen=True) if args.kl_coef > 0 else None, monitor=monitor,
         close_engine=False,  # closed in main(), after the final evaluation
     )
@@ -192,12 +192,14 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     engine = await VLLMEngine.start(engine_config(args, task, tok, model_dir))
     progress: common.ProgressHook | None = None
     try:
-        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt))
+        config = pipeline_config(args)
+        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt), config.producer.sampling,
+                             args.batch_groups)
         engine_s = time.perf_counter() - t_engine
         evals = common.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
         before = await evals.evaluate(0)
         print(f"engine up in {engine_s:.0f}s; held-out greedy accuracy before RL: {before:.1%}", flush=True)
-        pipeline = build_pipeline(args, engine, task, tok, model_dir, monitor)
+        pipeline = build_pipeline(args, config, engine, task, tok, model_dir, monitor)
         progress = common.ProgressHook(args.steps, disable=args.no_progress)
         pipeline.learner.hooks += [evals, progress]
         stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
