@@ -16,7 +16,10 @@ while generation continues, but the learner waits for them) and ``resume_s``. Al
 - ``stage_s`` / ``validate_s``: the library's ``stage()`` (file write) and ``validate_update`` on their own.
 
 Reported per model: medians, and ``ratio_to_reload_floor`` = (pause + transfer + resume) / reload floor.
-CPU target <= 2x. RAM: a 1 GiB model needs ~6 GiB at peak (engine, learner copy, staged files in
+CPU target <= 2x. On a CUDA GPU the learner lives on the GPU (colocated) and the engine's default transfer is
+CUDA IPC (``weight_transfer="cuda_ipc"``: the bytes reach shadow parameters in ``prepare_s``, before the
+pause; the pause covers a device copy); ``--transfer files`` measures the file path there too. GPU target:
+<= 50 ms paused for a 0.5B model. RAM: a 1 GiB model needs ~6 GiB at peak (engine, learner copy, staged files in
 /dev/shm, the clone), so the models run one at a time and every copy is freed before the next.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import shutil
@@ -39,6 +43,7 @@ from bench import common  # noqa: E402
 
 # (name, target MiB, hidden, layers): the vocabulary is solved for to reach the target size in float32.
 SIZES = (("5mib", 5, 128, 2), ("250mib", 250, 512, 4), ("1gib", 1024, 1024, 4))
+GPU_TARGET_S = 0.05  # paused per sync, 0.5B model colocated on the GPU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("keep", "abort", "wait"), default="keep", help="pause mode")
     p.add_argument("--background", type=int, default=4, help="groups kept in flight during syncs (0 = idle)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transfer", choices=("auto", "files", "cuda_ipc"), default="auto",
+                   help="engine weight transfer (auto: cuda_ipc on GPU, files on CPU)")
     common.add_engine_flags(p, max_num_seqs=16)
     args = p.parse_args(argv)
     args.sizes = args.sizes or [s[0] for s in SIZES if not (args.quick and s[0] == "1gib")]
@@ -104,8 +111,13 @@ async def reload_floor(engine: Any, weights_dir: Path, mode: str) -> float:
 
 
 def copy_bound(tensors: dict[str, Any]) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if next(iter(tensors.values())).is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     copy = {k: v.clone() for k, v in tensors.items()}
+    sync()
     seconds = time.perf_counter() - t0
     del copy
     return seconds
@@ -121,7 +133,7 @@ async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = next(common.arithmetic_prompts(tok, args.seed))
-    model = common.load_learner(model_dir, "float32").cpu()
+    model = common.load_learner(model_dir, "float32")  # on the GPU when there is one: colocated
     tensors = state_dict_for_engine(model)
     manifest = read_manifest(model_dir)
     dtype = common.engine_dtype(args)
@@ -129,7 +141,8 @@ async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[
     payload = {k: v.detach().to(dtype) for k, v in tensors.items()}  # the bytes the engine receives
     nbytes = sum(v.numel() * v.element_size() for v in payload.values())
     floor_dir = stage(payload, dtype)  # written once: the reload floor reads it again and again
-    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 128, args.seed))
+    cfg = dataclasses.replace(common.engine_config(args, model_dir, 128, args.seed), weight_transfer=args.transfer)
+    engine = await VLLMEngine.start(cfg)
     sync = WeightSync(engine, SyncConfig(mode=args.mode, clear_cache=True))
     timings, floors, copies, stages, validates = [], [], [], [], []
     stop = asyncio.Event()
@@ -167,14 +180,17 @@ async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[
     med = statistics.median
     total = med(t.total_s for t in timings)
     floor = med(floors)
+    gpu = common.on_gpu()
     return {
-        "name": name, "mib": nbytes / 2**20, "params": common.param_count(model_dir), "dtype": str(dtype),
+        "name": name, "mib": nbytes / 2**20, "transfer": "cuda_ipc" if engine._ipc else "files",
+        "learner_device": common.learner_device(), "params": common.param_count(model_dir), "dtype": str(dtype),
         "prepare_s": med(getattr(t, "prepare_s", 0.0) for t in timings), "pause_s": med(t.pause_s for t in timings),
         "transfer_s": med(t.transfer_s for t in timings),
         "resume_s": med(t.resume_s for t in timings), "total_paused_s": total,
         "copy_bound_s": med(copies), "reload_floor_s": floor, "stage_s": med(stages), "validate_s": med(validates),
         "ratio_to_reload_floor": total / floor, "transfer_ratio_to_reload_floor": med(t.transfer_s for t in timings)
-        / floor, "ratio_to_copy_bound": total / med(copies), "meets_target": total / floor <= 2.0,
+        / floor, "ratio_to_copy_bound": total / med(copies),
+        "meets_target": total <= GPU_TARGET_S if gpu else total / floor <= 2.0,
         "background_groups_done": background_groups,
         "reps": [{"prepare_s": getattr(t, "prepare_s", 0.0), "pause_s": t.pause_s, "transfer_s": t.transfer_s,
                   "resume_s": t.resume_s, "total_s": t.total_s,
@@ -207,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(ratio {m['ratio_to_reload_floor']:.2f}, target <= 2); prepared before the pause in "
               f"{m['prepare_s']:.3f}s; copy bound {m['copy_bound_s']:.3f}s; "
               f"stage {m['stage_s']:.3f}s validate {m['validate_s']:.3f}s", flush=True)
-    result.write({"models": models, "target_ratio_to_reload_floor": 2.0,
+    result.write({"models": models, "target_ratio_to_reload_floor": 2.0, "target_gpu_paused_s": GPU_TARGET_S,
                   "meets_target": all(m["meets_target"] for m in models)})
     return 0
 

@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import WeightUpdate
+from asyncrl.engines.base import StagedInEngine, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
 from tests.test_vllm_engine import _first_token_seen
@@ -47,11 +47,12 @@ def _mean_diff(model, prompt, samples) -> float:
     return float(torch.stack(diffs).mean())
 
 
-async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir):
+@pytest.mark.parametrize("transfer", ["cuda_ipc", "files"])
+async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
     engine = await VLLMEngine.start(VLLMEngineConfig(model=str(gpu_model_dir), dtype="bfloat16", max_model_len=256,
-                                                     max_num_seqs=16, kv_cache_gib=1.0))
+                                                     max_num_seqs=16, kv_cache_gib=1.0, weight_transfer=transfer))
     try:
         prompt = (5, 6, 7, 8)
         params = SamplingConfig(n=4, max_tokens=16, ignore_eos=True)
@@ -68,9 +69,11 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir):
         long = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
         task = asyncio.create_task(engine.generate(prompt, long, "keep"))
         await _first_token_seen(engine)
+        update = await engine.prepare_update(WeightUpdate(1, state_dict_for_engine(learner)))
+        assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else Path)
         await engine.pause(PauseMode.KEEP, clear_cache=True)
         try:
-            await engine.update_weights(WeightUpdate(1, state_dict_for_engine(learner)))
+            await engine.update_weights(update)
         finally:
             await engine.resume()
         kept = await task
@@ -86,5 +89,23 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir):
         await engine.pause(PauseMode.ABORT, clear_cache=True)
         await engine.resume()
         assert all(s.finish_reason in (FinishReason.ABORT, FinishReason.LENGTH) for s in await cut)
+
+        # Bad updates are refused before the pause with the live weights and version untouched.
+        good = state_dict_for_engine(learner)
+        name = next(iter(good))
+        nan = dict(good, **{name: torch.full_like(good[name], float("nan"))})
+        with pytest.raises(WeightUpdateError, match="NaN"):
+            await engine.prepare_update(WeightUpdate(2, nan))
+        with pytest.raises(WeightUpdateError, match="shape"):
+            await engine.prepare_update(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
+        assert engine.version == 1
+        # A staged version other than the one committed is refused without touching the weights.
+        if transfer == "cuda_ipc":
+            await engine.prepare_update(WeightUpdate(3, good))
+            with pytest.raises(WeightUpdateError):
+                await engine.update_weights(WeightUpdate(4, good, staged=StagedInEngine(4)))
+            assert engine.version == 1
+        after = await engine.generate(prompt, params, "after-refusals")
+        assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
     finally:
         await engine.close()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import zlib
+
 import torch
 
 from asyncrl.config import SamplingConfig
@@ -34,6 +36,20 @@ class WeightUpdateError(RuntimeError):
     and its version did not change."""
 
 
+def request_seed(seed: int | None, request_id: str) -> int | None:
+    """A per-request sampling seed: reproducible for a run seed, different for every request (a seed per
+    sample index alone would give every group the same random stream)."""
+    return None if seed is None else (seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**31
+
+
+@dataclass(frozen=True, slots=True)
+class StagedInEngine:
+    """``WeightUpdate.staged`` when the engine already holds the new weights beside the live ones (CUDA IPC
+    path): loading them under the pause is a device copy."""
+
+    version: int
+
+
 @dataclass(frozen=True, slots=True)
 class WeightUpdate:
     """New policy weights to publish.
@@ -44,7 +60,7 @@ class WeightUpdate:
 
     version: int  # the version these weights become once loaded
     tensors: Mapping[str, torch.Tensor]
-    staged: Path | None = None  # set by ``prepare_update``: validated and written, ready to load
+    staged: Path | StagedInEngine | None = None  # set by ``prepare_update``: validated, ready to load
 
 
 @runtime_checkable

@@ -37,7 +37,7 @@ import aiohttp
 
 from asyncrl.aio import first_cause
 from asyncrl.config import ConfigError, SamplingConfig
-from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError, request_seed
 from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
@@ -248,7 +248,7 @@ class RemoteVLLMEngine:
         return {
             "model": self._cfg.model, "prompt": list(prompt_ids), "n": 1, "max_tokens": max_tokens,
             "temperature": params.temperature, "top_p": params.top_p,
-            "seed": None if params.seed is None else params.seed + index,
+            "seed": request_seed(params.seed, f"{request_id}-{index}"),
             "logprobs": 0,  # the sampled token's log-prob only
             "return_token_ids": True,  # token ids per chunk: no tokenizer needed on this side
             "return_tokens_as_token_ids": True,  # spares the server detokenising each log-prob entry

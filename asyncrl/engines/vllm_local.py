@@ -1,8 +1,11 @@
 """The Engine Protocol over an in-process vLLM ``AsyncLLM`` (vLLM 0.26 and newer, CPU and GPU).
 
-Weights are published through vLLM's layerwise reload (``reload_weights`` on every worker), the path that
-works on CPU (where ``load_weights`` after start-up has no effect) and on GPU. Version tags come from the
-engine itself where vLLM stamps outputs (0.32+); on older vLLM they are tracked here from streamed deltas.
+Weights are published one of two ways (``VLLMEngineConfig.weight_transfer``, see ``worker_ext``):
+``files``: staged as safetensors in shared memory and loaded with vLLM's layerwise reload, the path that works
+on CPU (where ``load_weights`` after start-up has no effect); ``cuda_ipc`` (the default on CUDA): handed to the
+workers through a CUDA IPC handle and loaded into shadow parameters before the pause, so the pause covers
+one device copy. Version tags come from the engine itself where vLLM stamps outputs (0.32+); on older vLLM
+they are tracked here from streamed deltas.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from typing import Any
 
 from asyncrl.aio import first_cause
 from asyncrl.config import ConfigError, SamplingConfig
-from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
-from asyncrl.engines.weights import read_manifest, stage, torch_dtype, validate_update
+from asyncrl.engines.base import (EngineError, PromptRejected, StagedInEngine, WeightUpdate, WeightUpdateError,
+                                  request_seed)
+from asyncrl.engines.weights import first_non_finite, read_manifest, stage, torch_dtype, validate_update
 from asyncrl.engines.worker_ext import EXTENSION as WORKER_EXTENSION
+from asyncrl.engines.worker_ext import pack_for_ipc
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,9 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.3  # GPU only, used when kv_cache_gib <= 0
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs (fast start, tiny models)
     seed: int = 0
+    # "auto": cuda_ipc on a CUDA GPU, files elsewhere. cuda_ipc keeps one extra copy of the weights in the
+    # engine's GPU memory (the shadows) and needs the learner on the same host.
+    weight_transfer: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields, passed as is
 
     def __post_init__(self) -> None:
@@ -49,6 +57,9 @@ class VLLMEngineConfig:
             raise ConfigError("VLLMEngineConfig.model", f"model directory {self.model!r} does not exist")
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError("VLLMEngineConfig.model", f"{self.model!r} has no config.json")
+        if self.weight_transfer not in ("auto", "files", "cuda_ipc"):
+            raise ConfigError("VLLMEngineConfig.weight_transfer",
+                              f"must be 'auto', 'files' or 'cuda_ipc', got {self.weight_transfer!r}")
         for name in ("max_model_len", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -110,6 +121,7 @@ class VLLMEngine:
         self.name = name
         self._version = 0
         self._stamps = hasattr(llm, "update_weight_version")  # vLLM 0.32+: engine stamps outputs
+        self._ipc = cfg.weight_transfer == "cuda_ipc" or (cfg.weight_transfer == "auto" and not _is_cpu_platform())
         self._manifest = read_manifest(cfg.model)
         self._good_weights: Path = Path(cfg.model)  # last weights fully loaded (restored on failure)
         self._staged: Path | None = None  # our staging dir holding _good_weights, deleted when replaced
@@ -147,13 +159,13 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def _sampling_params(self, params: SamplingConfig, index: int, max_tokens: int) -> Any:
+    def _sampling_params(self, params: SamplingConfig, request_id: str, max_tokens: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-            seed=None if params.seed is None else params.seed + index, logprobs=0, ignore_eos=params.ignore_eos,
+            seed=request_seed(params.seed, request_id), logprobs=0, ignore_eos=params.ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
         )
 
@@ -170,9 +182,9 @@ class VLLMEngine:
         count = params.n if n is None else n
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, i, max_tokens),
-                                                  f"{request_id}-{i}"))
-                         for i in range(count)]
+                ids = [f"{request_id}-{i}" for i in range(count)]
+                tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, rid, max_tokens), rid))
+                         for rid in ids]
         except BaseExceptionGroup as group:
             raise first_cause(group) from group
         return [t.result() for t in tasks]
@@ -237,27 +249,62 @@ class VLLMEngine:
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         self._raise_if_dead()
-        await self._call(self._llm.pause_generation(mode=PauseMode(mode).value, clear_cache=clear_cache))
+        mode = PauseMode(mode).value
+        if self._stamps:
+            # ``pause_generation`` ends with a fixed 20 ms sleep so that outputs produced before the pause
+            # reach their streams first. Stamped versions make that ordering irrelevant, so ask the
+            # scheduler directly (on CPU that sleep was two thirds of the whole pause).
+            await self._call(self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache))
+        else:  # versions are tagged on arrival here, so late outputs must land before the version moves
+            await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
 
     async def resume(self) -> None:
         self._raise_if_dead()
         await self._call(self._llm.resume_generation())
 
     async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
-        """Validate and write the update while generation still runs; only the load needs the pause."""
+        """Validate and stage the update while generation still runs; only the load needs the pause."""
         if update.staged is not None:
             return update
+        if self._ipc:
+            return await self._stage_in_engine(update)
         validate_update(update.tensors, self._manifest)
         staged = await asyncio.to_thread(stage, update.tensors, self._dtype)
         return replace(update, staged=staged)
 
+    async def _stage_in_engine(self, update: WeightUpdate) -> WeightUpdate:
+        """CUDA IPC: snapshot the tensors into one buffer, let the workers load it into their shadows."""
+        import torch
+
+        validate_update(update.tensors, self._manifest, check_finite=False)
+        first = next(iter(update.tensors.values()))
+        device = first.device if first.is_cuda else torch.device("cuda", torch.cuda.current_device())
+        flat, payload = await asyncio.to_thread(pack_for_ipc, dict(update.tensors), self._dtype, device)
+        try:
+            if not bool(torch.isfinite(flat).all()):  # one pass over the snapshot instead of one per tensor
+                bad = first_non_finite(update.tensors)
+                raise WeightUpdateError(f"parameter {bad}: contains NaN or infinite values")
+            await self._call(self._llm.collective_rpc("asyncrl_stage_ipc", args=(payload, update.version)))
+        except (EngineError, WeightUpdateError):
+            raise
+        except Exception as exc:  # e.g. a name vLLM's loader does not know: only the shadows were touched
+            raise WeightUpdateError(f"engine {self.name}: staging the update failed ({exc!r}); live weights "
+                                    f"untouched, version stays {self._version}") from exc
+        finally:
+            del flat  # the workers copied it (or failed); the learner's memory is free again
+        return replace(update, staged=StagedInEngine(update.version))
+
     def discard_update(self, update: WeightUpdate) -> None:
-        if update.staged is not None and update.staged != self._good_weights:
+        # Shadows staged in the engine stay allocated; the next stage overwrites them.
+        if isinstance(update.staged, Path) and update.staged != self._good_weights:
             shutil.rmtree(update.staged, ignore_errors=True)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         update = await self.prepare_update(update)
-        assert update.staged is not None
+        if isinstance(update.staged, StagedInEngine):
+            await self._commit_staged(update.version)
+            return
+        assert isinstance(update.staged, Path)
         try:
             await self._reload(update.staged)
         except BaseException as exc:
@@ -267,6 +314,18 @@ class VLLMEngine:
                                     f"restored, version stays {self._version}") from exc
         await self._set_version(update.version)
         self._replace_good_weights(update.staged)
+
+    async def _commit_staged(self, version: int) -> None:
+        # The commit checks the staged version before copying anything, so a refusal leaves the live
+        # weights as they were; a fault during the device copy kills the engine (EngineError).
+        try:
+            await self._call(self._llm.collective_rpc("asyncrl_commit", args=(version,)))
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"engine {self.name}: commit of staged weights failed ({exc!r}); "
+                                    f"version stays {self._version}") from exc
+        await self._set_version(version)
 
     @property
     def _dtype(self) -> Any:
@@ -324,12 +383,18 @@ class VLLMEngine:
         t0 = time.monotonic()
         try:
             await asyncio.shield(asyncio.to_thread(self._llm.shutdown))
-            # Drop our reference now: AsyncLLM.__del__ at interpreter exit would shut down again and fail.
+            # AsyncLLM.__del__ would shut down a second time (and fail at interpreter exit): make that a no-op,
+            # and keep late calls from reaching the dead engine.
+            self._llm.shutdown = _no_op
             self._llm = _ClosedLLM()
         finally:
             if self._staged is not None:
                 shutil.rmtree(self._staged, ignore_errors=True)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
+
+
+def _no_op(*_args: Any, **_kwargs: Any) -> None:
+    return None
 
 
 class _ClosedLLM:

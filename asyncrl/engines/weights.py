@@ -45,8 +45,10 @@ def read_manifest(model_dir: str | Path) -> dict[str, ParamSpec]:
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def validate_update(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec]) -> None:
-    """Refuse an update that would not replace every parameter cleanly."""
+def validate_update(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
+                    check_finite: bool = True) -> None:
+    """Refuse an update that would not replace every parameter cleanly. ``check_finite=False`` leaves the
+    NaN/inf check to the caller (who can do it in one pass over a packed buffer)."""
     missing = sorted(set(manifest) - set(tensors))
     unknown = sorted(set(tensors) - set(manifest))
     if missing or unknown:
@@ -60,8 +62,13 @@ def validate_update(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, 
             raise WeightUpdateError(f"parameter {name}: shape {tuple(tensor.shape)}, engine expects {want.shape}")
         if not tensor.is_floating_point():
             raise WeightUpdateError(f"parameter {name}: dtype {tensor.dtype} is not floating point")
-        if not bool(torch.isfinite(tensor).all()):
+        if check_finite and not bool(torch.isfinite(tensor).all()):
             raise WeightUpdateError(f"parameter {name}: contains NaN or infinite values")
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding NaN or inf, if any."""
+    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
 def staging_root() -> Path:

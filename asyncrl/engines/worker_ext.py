@@ -1,4 +1,11 @@
-"""Runs inside each vLLM worker process (``worker_extension_cls``): weight reload that keeps tied weights tied.
+"""Runs inside each vLLM worker process (``worker_extension_cls``): the two weight-loading paths.
+
+1. Reload from a staged safetensors directory (every platform, the only one that works on CPU, where linear
+   weights are repacked after loading). It keeps tied weights tied, see below.
+2. CUDA: the learner's tensors arrive through one CUDA IPC handle while generation still runs and are loaded
+   (``model.load_weights``, so vLLM's own name mapping and shard fusing apply) into *shadow* copies of the
+   parameters. Under the pause, a commit copies shadows into the live parameters: one batched device copy,
+   the same storage addresses (CUDA graphs stay valid), no Python loop over checkpoint names.
 
 vLLM's layerwise reload replaces each loaded layer's parameters; a layer that shares a parameter with
 another (e.g. ``lm_head`` tied to ``embed_tokens``) gets nothing from the checkpoint and keeps its old
@@ -11,11 +18,30 @@ Loaded by name in the worker, so keep this module light: no asyncrl imports beyo
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 EXTENSION = "asyncrl.engines.worker_ext.AsyncRLWorkerExtension"
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _TiedLayerNotice(logging.Filter):
+    """Drops the layerwise reload's "Failed to load weights" warning for layers that get no checkpoint
+    tensors by design: aliases we re-tie afterwards, and buffer-only layers (rotary caches are computed, not
+    loaded). The same warning for any other layer still shows."""
+
+    def __init__(self, class_names: set[str]) -> None:
+        super().__init__()
+        self.class_names = class_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.args and record.args[0] in self.class_names
+                    and "Failed to load weights" in str(record.msg))
 
 
 def tied_aliases(model: torch.nn.Module) -> list[tuple[str, str, str]]:
@@ -48,10 +74,104 @@ class AsyncRLWorkerExtension:
 
     def asyncrl_record_ties(self) -> int:
         """Called once after start-up, while ties are still intact. Returns how many aliases exist."""
-        self._asyncrl_aliases = tied_aliases(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        self._asyncrl_aliases = tied_aliases(model)
+        names = {type(model.get_submodule(mod)).__name__ for mod, _, _ in self._asyncrl_aliases}
+        names |= {type(m).__name__ for m in model.modules()
+                  if next(m.parameters(recurse=False), None) is None and next(m.buffers(recurse=False), None) is not None}
+        if names:
+            logging.getLogger(LAYERWISE_LOGGER).addFilter(_TiedLayerNotice(names))
         return len(self._asyncrl_aliases)
 
     def asyncrl_reload(self, weights_path: str) -> None:
         """Reload every weight from ``weights_path`` (a safetensors directory) and restore ties."""
         self.model_runner.reload_weights(weights_path=weights_path)
         retie(self.model_runner.get_model(), getattr(self, "_asyncrl_aliases", []))
+
+    def asyncrl_stage_ipc(self, payload: bytes, version: int) -> int:
+        """Load the weights behind a ``pack_for_ipc`` payload into the shadow parameters. Returns how many
+        checkpoint tensors were read. The live parameters are untouched until ``asyncrl_commit``."""
+        self._asyncrl_staged = None
+        packed = pickle.loads(payload)
+        flat = open_ipc_tensor(packed["handle"], packed["device_uuid"])
+        model = self.model_runner.get_model()
+        shadows = self._asyncrl_shadow_params(model)
+        with params_swapped(model, shadows):
+            model.load_weights(unpack(flat, packed["layout"]))
+        torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
+        self._asyncrl_staged = version
+        return len(packed["layout"])
+
+    def asyncrl_commit(self, version: int) -> None:
+        """Copy the staged shadows into the live parameters (call while generation is paused)."""
+        if getattr(self, "_asyncrl_staged", None) != version:
+            raise RuntimeError(f"no staged weights for version {version} (staged: {self._asyncrl_staged!r})")
+        live = dict(self.model_runner.get_model().named_parameters())
+        names = list(self._asyncrl_shadows)
+        torch._foreach_copy_([live[n].data for n in names], [self._asyncrl_shadows[n] for n in names])
+        torch.cuda.current_stream().synchronize()
+        self._asyncrl_staged = None
+
+    def _asyncrl_shadow_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # Allocated once and reused: one extra copy of the weights in the engine's memory.
+        if getattr(self, "_asyncrl_shadows", None) is None:
+            self._asyncrl_shadows = {n: torch.empty_like(p.data) for n, p in model.named_parameters()}
+        return self._asyncrl_shadows
+
+
+# -- CUDA IPC: one flat buffer per update ------------------------------------------------------------------
+
+def pack_for_ipc(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[
+        torch.Tensor, bytes]:
+    """Copy ``tensors`` into one new flat buffer on ``device`` and describe it for ``asyncrl_stage_ipc``.
+
+    The buffer is a snapshot (the learner may keep training) and must stay alive until the worker has
+    staged it. Returns ``(buffer, payload)``.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    total = sum(t.numel() for t in tensors.values())
+    flat = torch.empty(total, dtype=dtype, device=device)
+    layout, offset = [], 0
+    for name, tensor in tensors.items():
+        n = tensor.numel()
+        flat[offset:offset + n].view(tensor.shape).copy_(tensor.detach())
+        layout.append((name, tuple(tensor.shape), offset, n))
+        offset += n
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    payload = pickle.dumps({"handle": reduce_tensor(flat), "device_uuid": uuid, "layout": layout})
+    return flat, payload
+
+
+def open_ipc_tensor(handle: tuple[Any, tuple[Any, ...]], device_uuid: str) -> torch.Tensor:
+    """Rebuild the sender's tensor here. The sender's device index may name another GPU in this process
+    (different ``CUDA_VISIBLE_DEVICES``), so the device is found by UUID."""
+    rebuild, args = handle
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+            args = (*args[:6], index, *args[7:])  # argument 6 of rebuild_cuda_tensor is the device index
+            break
+    else:
+        raise RuntimeError(f"GPU {device_uuid} of the weight sender is not visible to this worker")
+    return rebuild(*args)
+
+
+def unpack(flat: torch.Tensor, layout: list[tuple[str, tuple[int, ...], int, int]]) -> Iterator[
+        tuple[str, torch.Tensor]]:
+    for name, shape, offset, numel in layout:
+        yield name, flat[offset:offset + numel].view(shape)
+
+
+@contextlib.contextmanager
+def params_swapped(model: torch.nn.Module, shadows: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Point every parameter at its shadow for the duration (weight loaders write ``param.data``).
+    Safe because the worker runs RPCs between model steps, never during one."""
+    params = dict(model.named_parameters())
+    live = {n: p.data for n, p in params.items()}
+    try:
+        for name, param in params.items():
+            param.data = shadows[name]
+        yield
+    finally:
+        for name, param in params.items():
+            param.data = live[name]

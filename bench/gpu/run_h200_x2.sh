@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device runs on two H200s (vLLM 0.26.0 from .gpu/, the API server's extra packages from .cache/gpu-extra).
+#   part 1: the NCCL weight transport against a vLLM HTTP server (tests/test_remote_engine.py, gpu marker),
+#           then the weight-sync benchmark on a Qwen2-0.5B shape with the learner colocated (CUDA IPC path).
+#   part 2: the in-process GPU tests (both weight transfers) and the same benchmark over the file path.
+# Usage (device tool, kind nvidia-h200-x2, carry [".gpu", ".cache/gpu-extra"]):
+#   bash bench/gpu/run_h200_x2.sh 1   then   bash bench/gpu/run_h200_x2.sh 2      (logs and JSON land in $OUT)
+set -u
+PART=${1:-1}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source .gpu/setup.sh > "$OUT/setup$PART.log" 2>&1 || { cat "$OUT/setup$PART.log"; exit 2; }
+export PYTHONPATH="$PWD/.cache/gpu-extra/site:$PWD:${PYTHONPATH:-}"
+export VLLM_LOGGING_LEVEL=WARNING PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary$PART.txt"; }
+[ -d /tmp/q05 ] || step build 150 python3 bench/gpu/build_qwen05.py /tmp/q05
+if [ "$PART" = 1 ]; then
+  step nccl 240 python3 -m pytest -o addopts="" -q -m gpu -k nccl tests/test_remote_engine.py
+  ASYNCRL_BENCH_MODEL=/tmp/q05 step ws_ipc 180 python3 bench/weight_sync.py --sizes 1gib --reps 5 --background 4
+  cp bench/results/weight_sync_h200.json "$OUT/weight_sync_ipc_h200.json" 2>/dev/null
+else
+  step gpu_tests 240 python3 -m pytest -o addopts="" -q -m gpu tests/test_gpu.py
+  ASYNCRL_BENCH_MODEL=/tmp/q05 step ws_files 180 python3 bench/weight_sync.py --sizes 1gib --reps 3 \
+    --background 4 --transfer files
+  cp bench/results/weight_sync_h200.json "$OUT/weight_sync_files_h200.json" 2>/dev/null
+fi
+grep -hE "passed|failed|skipped|error|^E |paused" "$OUT"/*.log | grep -v WARNING | tail -30
