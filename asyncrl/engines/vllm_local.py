@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 RESTORE_ATTEMPTS = 3  # full reloads of the last good weights after a failed update
 DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engine died
+DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,14 +250,32 @@ class VLLMEngine:
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         self._raise_if_dead()
-        mode = PauseMode(mode).value
-        if self._stamps:
-            # ``pause_generation`` ends with a fixed 20 ms sleep so that outputs produced before the pause
-            # reach their streams first. Stamped versions make that ordering irrelevant, so ask the
-            # scheduler directly (on CPU that sleep was two thirds of the whole pause).
-            await self._call(self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache))
-        else:  # versions are tagged on arrival here, so late outputs must land before the version moves
-            await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+        # Not ``pause_generation``: it ends with a blind 20 ms sleep so that outputs produced before the
+        # pause reach their streams first (half of a GPU sync's pause). We ask the scheduler directly and then
+        # wait for exactly that delivery.
+        await self._call(self._llm.engine_core.pause_scheduler_async(mode=PauseMode(mode).value,
+                                                                      clear_cache=clear_cache))
+        await self._drain_outputs()
+
+    async def _drain_outputs(self) -> None:
+        """Return once every output produced before the pause has been taken by its request's stream.
+
+        They precede the pause reply on the engine's socket, so they sit in the client's output queue or in
+        per-request collectors; when both are empty on two loop turns in a row (the output handler yields
+        between chunks), all were consumed. This matters where versions are tagged on arrival (vLLM < 0.32):
+        a pre-pause token must not be counted under the new version."""
+        pending = _pending_outputs_probe(self._llm)
+        if pending is None:  # a vLLM without these internals: fall back to its own heuristic
+            await asyncio.sleep(0.02)
+            return
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        clean = 0
+        while clean < 2:
+            await asyncio.sleep(0)
+            clean = 0 if pending() else clean + 1
+            if time.monotonic() > deadline:
+                log.warning("outputs still pending %.1fs after pausing %s", DRAIN_TIMEOUT_S, self.name)
+                return
 
     async def resume(self) -> None:
         self._raise_if_dead()
@@ -401,6 +420,21 @@ class _ClosedLLM:
     """Stands in for a shut-down AsyncLLM so late calls fail with a clear error."""
 
     errored = True
+
+
+def _pending_outputs_probe(llm: Any) -> Any:
+    """A callable telling whether engine outputs are still undelivered, or None if this vLLM lacks the
+    internals it reads (the client's output queue and the per-request collectors; present in 0.26-0.32)."""
+    queue = getattr(llm.engine_core, "outputs_queue", None)
+    states = getattr(getattr(llm, "output_processor", None), "request_states", None)
+    if queue is None or states is None or not hasattr(queue, "empty"):
+        return None
+
+    def pending() -> bool:
+        return not queue.empty() or any(getattr(st.queue, "output", None) is not None
+                                        for st in states.values() if st.queue is not None)
+
+    return pending
 
 
 def _sampled_logprobs(comp: Any) -> list[float]:
