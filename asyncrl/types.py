@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -113,6 +113,13 @@ class RolloutGroup:
     created_at: float = 0.0  # time.monotonic() when the group was queued (seconds)
     meta: Mapping[str, Any] = field(default_factory=dict)  # free-form producer metadata
 
+    def stamped(self, created_at: float) -> RolloutGroup:
+        """A copy with ``created_at`` set (the queue stamps each group on arrival): what
+        ``dataclasses.replace(self, created_at=created_at)`` gives, at less than half its cost per group."""
+        if type(self) is not RolloutGroup:  # a subclass may have fields of its own
+            return replace(self, created_at=created_at)
+        return RolloutGroup(self.group_id, self.prompt, self.rollouts, created_at, self.meta)
+
     @property
     def oldest_version(self) -> int:
         """The oldest weight version that produced any token of the group."""
@@ -133,6 +140,11 @@ class RolloutGroup:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.completion_ids) for r in self.rollouts)
+
+
+# ``RolloutGroup.stamped`` lists the fields by hand: a new field must be added there too.
+if tuple(f.name for f in fields(RolloutGroup)) != ("group_id", "prompt", "rollouts", "created_at", "meta"):
+    raise TypeError("RolloutGroup's fields changed: update RolloutGroup.stamped")
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,20 +68,24 @@ class Producer:
 
     async def run(self) -> None:
         """Produce until the prompt source is exhausted or the task is cancelled."""
-        slots = asyncio.Semaphore(self.config.max_inflight_groups)
         try:
             async with asyncio.TaskGroup() as tg:
-                while True:
-                    await slots.acquire()
-                    item = await self.prompts.next()
-                    if item is None:
-                        slots.release()
-                        break
-                    tg.create_task(self._guarded(item[0], item[1], slots))
+                # One long-lived worker per in-flight slot, not a task per group: the same bound and the
+                # same cancellation (every group runs inside a task of this group), without creating,
+                # scheduling and reaping a task and taking a semaphore slot for every group.
+                for slot in range(self.config.max_inflight_groups):
+                    tg.create_task(self._work(), name=f"{self.name}-slot{slot}")
         except* QueueClosed:
             log.info("%s: queue closed, stopping", self.name)
 
-    async def _guarded(self, index: int, prompt: Prompt, slots: asyncio.Semaphore) -> None:
+    async def _work(self) -> None:
+        while (item := await self.prompts.next()) is not None:
+            await self._guarded(item[0], item[1])
+            # A group may finish without ever suspending (an instant engine, a dropped group): yield once
+            # per group anyway, so other tasks (the learner, cancellation) always get their turn.
+            await asyncio.sleep(0)
+
+    async def _guarded(self, index: int, prompt: Prompt) -> None:
         self.in_flight += 1
         try:
             await self.produce_one(index, prompt)
@@ -91,7 +95,6 @@ class Producer:
             raise
         finally:
             self.in_flight -= 1
-            slots.release()
 
     async def produce_one(self, index: int, prompt: Prompt) -> RolloutGroup | None:
         """Generate, score and ship the group for one prompt; None if it was dropped (and counted)."""
@@ -118,9 +121,11 @@ class Producer:
         self._check_prompt(prompt)
         version_at_submit = self.engine.version
         samples = await self._sample_all(group_id, prompt)
-        rewards = [await self._score(prompt, s) for s in samples]
-        rollouts = tuple(_rollout(group_id, prompt, s, r, version_at_submit) for s, r in zip(samples, rewards))
-        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
+        rollouts = []  # a plain loop: an async comprehension would cost a frame per group
+        for sample in samples:
+            reward = await self._score(prompt, sample)
+            rollouts.append(_rollout(group_id, prompt, sample, reward, version_at_submit))
+        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=tuple(rollouts))
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if not prompt.token_ids:
@@ -151,15 +156,21 @@ class Producer:
     async def _score(self, prompt: Prompt, sample: Sample) -> float:
         try:
             value = self.reward_fn(prompt, sample)
-            if inspect.isawaitable(value):
+            if type(value) is not float and inspect.isawaitable(value):  # a float, the usual, is not
                 value = await value
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise _Drop(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise _Drop(DropReason.REWARD_INVALID, f"reward function returned {value!r}, not a finite number")
-        return float(value)
+        return _checked_reward(value)
+
+
+def _checked_reward(value: object) -> float:
+    if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise _Drop(DropReason.REWARD_INVALID, f"reward function returned {value!r}, not a finite number")
+    return float(value)
 
 
 def _rollout(group_id: str, prompt: Prompt, sample: Sample, reward: float, version_at_submit: int) -> Rollout:

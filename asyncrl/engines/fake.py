@@ -8,6 +8,7 @@ once), each with log-prob ``logprob``.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 
 from asyncrl.config import SamplingConfig
@@ -52,11 +53,16 @@ class FakeEngine:
             raise PromptRejected(f"prompt of {len(prompt_ids)} tokens exceeds context {self._max_model_len}")
         self.requests += 1
         count = params.n if n is None else n
-        return [await self._one(prompt_ids, params, i) for i in range(count)] if not self.token_delay_s \
-            else list(await asyncio.gather(*(self._one(prompt_ids, params, i) for i in range(count))))
+        if self.token_delay_s:
+            return list(await asyncio.gather(*(self._one(prompt_ids, params, i) for i in range(count))))
+        samples = []  # no delay: one after the other (a plain loop; an async comprehension costs a frame)
+        for i in range(count):
+            samples.append(await self._one(prompt_ids, params, i))
+        return samples
 
     async def _one(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int) -> Sample:
-        await self._running.wait()
+        if not self._running.is_set():
+            await self._running.wait()
         self._enter()
         try:
             return await self._decode(prompt_ids, params, index)
@@ -65,26 +71,30 @@ class FakeEngine:
 
     async def _decode(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int) -> Sample:
         epoch = self._abort_epoch
+        first = sum(prompt_ids) + index  # token t is (first + t) % vocab_size
         tokens: list[int] = []
-        spans: list[VersionSpan] = []
+        # (version, index of its first token) each time the version changes; the spans are built once at
+        # the end rather than a new VersionSpan per token
+        starts: list[tuple[int, int]] = []
         for t in range(params.max_tokens):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             if self._abort_epoch != epoch:
-                return self._sample(tokens, spans, FinishReason.ABORT)
+                return self._sample(tokens, starts, FinishReason.ABORT)
             if not self._running.is_set():
                 self._leave()  # keep: frozen requests do not hold a ``wait`` pause
                 await self._running.wait()
                 self._enter()
             self._check_alive()
-            tokens.append((sum(prompt_ids) + index + t) % self.vocab_size)
+            if not starts or starts[-1][0] != self._version:
+                starts.append((self._version, t))
+            tokens.append((first + t) % self.vocab_size)
             self.token_produced.set()
-            _extend(spans, self._version, len(tokens))
-        return self._sample(tokens, spans, FinishReason.LENGTH)
+        return self._sample(tokens, starts, FinishReason.LENGTH)
 
-    def _sample(self, tokens: list[int], spans: list[VersionSpan], reason: FinishReason) -> Sample:
-        return Sample(tuple(tokens), tuple([self.logprob] * len(tokens)), reason, tuple(spans),
-                      text=" ".join(map(str, tokens)))
+    def _sample(self, tokens: list[int], starts: list[tuple[int, int]], reason: FinishReason) -> Sample:
+        ids = tuple(tokens)
+        return Sample(ids, (self.logprob,) * len(ids), reason, _spans(starts, len(ids)), text=_text(ids))
 
     def _enter(self) -> None:
         self._inflight += 1
@@ -127,8 +137,15 @@ class FakeEngine:
         self._running.set()
 
 
-def _extend(spans: list[VersionSpan], version: int, end: int) -> None:
-    if spans and spans[-1].version == version:
-        spans[-1] = VersionSpan(version, spans[-1].start, end)
-    else:
-        spans.append(VersionSpan(version, end - 1, end))
+def _spans(starts: list[tuple[int, int]], end: int) -> tuple[VersionSpan, ...]:
+    """Version spans from the (version, first token) pairs of a completion of ``end`` tokens."""
+    if len(starts) == 1:  # the common case: one version throughout
+        return (VersionSpan(starts[0][0], starts[0][1], end),)
+    ends = [start for _, start in starts[1:]] + [end]
+    return tuple(VersionSpan(version, start, stop) for (version, start), stop in zip(starts, ends))
+
+
+@functools.lru_cache(maxsize=4096)
+def _text(tokens: tuple[int, ...]) -> str:
+    # The fake detokeniser; cached because completions repeat (tokens depend only on prompt and index).
+    return " ".join(map(str, tokens))

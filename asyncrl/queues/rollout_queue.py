@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from asyncrl.config import QueueConfig
 from asyncrl.ledger import GroupLedger
@@ -27,7 +27,12 @@ class QueueClosed(Exception):
 def is_fresh(group: RolloutGroup, current_version: int, max_staleness: int) -> bool:
     """The staleness rule: a group may be trained on iff its oldest token is at most ``max_staleness``
     versions behind the learner's current version."""
-    return group.staleness(current_version) <= max_staleness
+    return _fresh(group.staleness(current_version), max_staleness)
+
+
+def _fresh(staleness: int, max_staleness: int) -> bool:
+    """The rule itself, for a staleness already computed (the queue needs it for its histogram too)."""
+    return staleness <= max_staleness
 
 
 @dataclass(slots=True)
@@ -43,6 +48,39 @@ class QueueStats:
     handed_out: int = 0
 
 
+class _Waiters:
+    """Tasks parked until the queue changes: ``asyncio.Condition`` without its lock.
+
+    The queue's state only changes between awaits on one event loop, so a lock would guard nothing; it
+    would only cost an acquire and release per put and per get. Waking is free when nobody waits, which is
+    the common case on the hot path. Every waiter is woken and re-checks its own condition, so a waiter
+    cancelled after being woken cannot swallow a wake-up another one needed.
+    """
+
+    __slots__ = ("_futures",)
+
+    def __init__(self) -> None:
+        self._futures: list[asyncio.Future[None]] = []
+
+    async def wait(self) -> None:
+        """Return after the next ``notify_all`` (callers loop until their condition holds)."""
+        future = asyncio.get_running_loop().create_future()
+        self._futures.append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future in self._futures:  # not woken yet: forget it
+                self._futures.remove(future)
+            raise
+
+    def notify_all(self) -> None:
+        if self._futures:
+            futures, self._futures = self._futures, []
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
+
+
 class RolloutQueue:
     """Bounded FIFO of rollout groups with the staleness rule applied on the way out."""
 
@@ -51,7 +89,8 @@ class RolloutQueue:
         self.ledger = ledger or GroupLedger()
         self.stats = QueueStats()
         self._items: deque[RolloutGroup] = deque()
-        self._changed = asyncio.Condition()
+        self._room = _Waiters()  # puts waiting for the queue to have room (or close)
+        self._arrivals = _Waiters()  # get_batch waiting for groups (or close / finish)
         self._closed = False
         self._finished = False  # producers are done: the learner drains what is left, then stops
         # Recently accepted group ids, so a retried put is stored once (bounded: retries come soon).
@@ -70,27 +109,36 @@ class RolloutQueue:
 
     async def put(self, group: RolloutGroup) -> bool:
         """Add a group, waiting while the queue is full. Returns False if its id was already accepted."""
-        async with self._changed:
-            if group.group_id in self._seen_ids:
+        if group.group_id in self._seen_ids:
+            return False
+        if self._full():
+            await self._wait_for_room()
+            if group.group_id in self._seen_ids:  # a retry of this group was stored while we waited
                 return False
-            if len(self._items) >= self.config.capacity and not self._closed:
-                self.stats.puts_blocked += 1
-                t0 = time.monotonic()
-                await self._changed.wait_for(lambda: len(self._items) < self.config.capacity or self._closed)
-                self.stats.put_wait_s += time.monotonic() - t0
-            if self._closed:
-                raise QueueClosed("queue closed while putting")
-            self._accept(group)
-            return True
+        if self._closed:
+            raise QueueClosed("queue closed while putting")
+        self._accept(group)  # no await since the checks: nothing can have changed in between
+        return True
+
+    def _full(self) -> bool:
+        return len(self._items) >= self.config.capacity and not self._closed
+
+    async def _wait_for_room(self) -> None:
+        self.stats.puts_blocked += 1
+        t0 = time.monotonic()
+        while self._full():
+            await self._room.wait()
+        self.stats.put_wait_s += time.monotonic() - t0
 
     def _accept(self, group: RolloutGroup) -> None:
         self._seen_ids[group.group_id] = None
         if len(self._seen_ids) > SEEN_IDS_LIMIT:
             self._seen_ids.popitem(last=False)
-        self._items.append(replace(group, created_at=time.monotonic()))
+        self._items.append(group.stamped(time.monotonic()))
         self.ledger.queued += 1
-        self.stats.max_depth = max(self.stats.max_depth, len(self._items))
-        self._changed.notify_all()
+        if len(self._items) > self.stats.max_depth:
+            self.stats.max_depth = len(self._items)
+        self._arrivals.notify_all()
 
     async def get_batch(self, size: int, current_version: int) -> list[RolloutGroup]:
         """Take ``size`` fresh groups (FIFO), dropping stale ones on the way. Waits until they exist."""
@@ -105,50 +153,50 @@ class RolloutQueue:
         return batch
 
     async def _fill(self, batch: list[RolloutGroup], size: int, current_version: int) -> None:
-        async with self._changed:
-            while len(batch) < size:
-                await self._changed.wait_for(lambda: bool(self._items) or self._closed or self._finished)
-                if not self._items:
-                    # Groups taken for this unfinished batch are not trained: count them.
-                    self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
-                    raise QueueClosed(f"no more groups: {len(batch)} of {size} for the batch")
+        while len(batch) < size:
+            while not (self._items or self._closed or self._finished):
+                await self._arrivals.wait()
+            if not self._items:
+                # Groups taken for this unfinished batch are not trained: count them.
+                self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+                raise QueueClosed(f"no more groups: {len(batch)} of {size} for the batch")
+            while self._items and len(batch) < size:  # take what is there, then wake blocked puts once
                 self._hand_out(self._items.popleft(), current_version, batch)
-                self._changed.notify_all()
+            self._room.notify_all()
 
     def _hand_out(self, group: RolloutGroup, current_version: int, batch: list[RolloutGroup]) -> None:
-        if not is_fresh(group, current_version, self.config.max_staleness):
+        staleness = group.staleness(current_version)  # once: both the rule and the histogram need it
+        if not _fresh(staleness, self.config.max_staleness):
             self.ledger.drop(DropReason.STALE, queued=True)
             return
-        self.stats.staleness_trained[group.staleness(current_version)] += 1
+        self.stats.staleness_trained[staleness] += 1
         self.stats.age_s_sum += time.monotonic() - group.created_at
         self.stats.handed_out += 1
         batch.append(group)
 
     async def drop_stale(self, current_version: int) -> int:
         """Drop queued groups already too stale to train on (a saving; get_batch enforces it anyway)."""
-        async with self._changed:
-            keep = [g for g in self._items if is_fresh(g, current_version, self.config.max_staleness)]
-            dropped = len(self._items) - len(keep)
-            if dropped:
-                self._items = deque(keep)
-                self.ledger.drop(DropReason.STALE, dropped, queued=True)
-                self._changed.notify_all()
+        keep = [g for g in self._items if is_fresh(g, current_version, self.config.max_staleness)]
+        dropped = len(self._items) - len(keep)
+        if dropped:
+            self._items = deque(keep)
+            self.ledger.drop(DropReason.STALE, dropped, queued=True)
+            self._room.notify_all()
         return dropped
 
     async def finish(self) -> None:
         """No more groups will come: the learner takes what is queued, then ``get_batch`` raises."""
-        async with self._changed:
-            self._finished = True
-            self._changed.notify_all()
+        self._finished = True
+        self._arrivals.notify_all()
 
     async def close(self) -> None:
         """Refuse further puts, wake every waiter, and count what is left as unused."""
-        async with self._changed:
-            self._closed = True
-            if self._items:
-                self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(self._items), queued=True)
-                self._items.clear()
-            self._changed.notify_all()
+        self._closed = True
+        if self._items:
+            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(self._items), queued=True)
+            self._items.clear()
+        self._room.notify_all()
+        self._arrivals.notify_all()
 
     def metrics(self) -> dict[str, float]:
         handed = self.stats.handed_out
