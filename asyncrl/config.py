@@ -110,9 +110,13 @@ class SyncConfig:
     every: int = 1  # optimiser steps between weight publications
     mode: PauseMode = PauseMode.KEEP  # pause mode used for every publication
     clear_cache: bool = True  # reset the prefix/KV cache so no token reuses old-weight KV
+    # Publish in the background while the next step trains (from a snapshot of the weights, one extra copy);
+    # the learner waits only if the previous publication is still running when the next one is due.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         _positive_ints(self, "every")
+        _require(isinstance(self.overlap, bool), self, "overlap", "must be a bool")
         _coerce_enum(self, "mode", PauseMode)
         _require(isinstance(self.clear_cache, bool), self, "clear_cache", "must be a bool")
 
@@ -126,6 +130,10 @@ class LearnerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # gradient clipping (<= 0 disables)
     micro_batch_rollouts: int = 64  # rollouts per forward/backward pass (memory bound)
+    # Skip the forward/backward of groups the loss proves contribute no gradient (GRPO groups whose rewards
+    # are all equal, without KL or entropy terms). The update is the same; their tokens still count in the
+    # normaliser, and they are counted as trained.
+    skip_inert_groups: bool = True
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:

@@ -112,6 +112,7 @@ class Pipeline:
             if not batch:
                 raise RuntimeError("prompt source exhausted before the requested steps were taken")
             result = await self.learner.train_and_publish(batch)
+            await self.learner.flush()  # synchronous mode: the next batch is generated with these weights
             await self.learner.report(result)
 
     async def _generate_batch(self, producer: Producer, size: int) -> list[RolloutGroup]:

@@ -23,8 +23,10 @@ clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 ``samples_per_s_ratio_<profile>`` = ours / TRL, trained samples per second of the training loop
 (``Pipeline.run`` vs ``trainer.train()``; engine start-up and TRL's set-up are reported separately, and
 also folded into ``..._with_startup``). Targets: >= 1.5x demo, >= 3x gen-heavy. Ours runs asynchronously
-(max staleness 2, a keep-mode weight sync after every step) with the learner on 1 torch thread (vLLM's
-worker holds the other core). TRL runs with 1 torch thread and with torch's default (2), and the faster run
+(max staleness 2, a keep-mode weight sync after every step, published in the background while the next step
+trains) with the learner on 1 torch thread (vLLM's worker holds the other core); groups whose rewards are all
+equal skip the forward/backward (same update: their advantage is 0), the share is reported as
+``inert_groups_frac``. TRL runs with 1 torch thread and with torch's default (2), and the faster run
 is compared: on this shared 2-core machine two OpenMP threads can collapse under other load (seen: the same
 demo run took 15 s once and 496 s another time), so one thread is sometimes TRL's best.
 """
@@ -186,14 +188,16 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
                 max_inflight_groups=b),
             queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
             learner=asyncrl.LearnerConfig(batch_groups=b, lr=prof["lr"], micro_batch_rollouts=b * n,
-                                          sync=asyncrl.SyncConfig(mode="keep")),
+                                          sync=asyncrl.SyncConfig(mode="keep", overlap=True)),
         )
         model = common.load_learner(model_dir)
         pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), config,
                                  loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"),
                                  pad_id=tok.pad_token_id, version=engine.version, close_engine=False)
         rewards: list[float] = []
-        pipeline.learner.hooks.append(lambda step, m: rewards.append(m.get("train/reward_mean", float("nan"))))
+        inert: list[float] = []
+        pipeline.learner.hooks.append(lambda step, m: (rewards.append(m.get("train/reward_mean", float("nan"))),
+                                                       inert.append(m.get("train/inert_groups_frac", 0.0))))
         t1 = time.perf_counter()
         stats = await pipeline.run(steps)
         train_s = time.perf_counter() - t1
@@ -202,7 +206,7 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
     return {"engine_start_s": start_s, "train_s": train_s, "samples": stats.samples_trained, "steps": stats.steps,
             "samples_per_s": stats.samples_trained / train_s, "learner_train_s": stats.train_s,
             "sync_s": stats.sync_s, "tokens_generated": stats.tokens_generated, "dropped": stats.dropped,
-            "rewards": rewards}, model
+            "rewards": rewards, "inert_groups_frac": sum(inert) / max(1, len(inert))}, model
 
 
 # ------------------------------------------------------------------------------------------------- main

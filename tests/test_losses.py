@@ -299,3 +299,38 @@ def test_reference_kl_is_zero_against_itself(model: torch.nn.Module) -> None:
     assert out.metrics["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="ref_model"):
         GRPOLoss(LossConfig(kl_coef=0.05))
+
+
+def _learner_step(model: torch.nn.Module, groups: list[RolloutGroup], skip: bool) -> tuple[torch.nn.Module, dict]:
+    """One real learner step (``Learner._train_step``) on a copy of ``model``."""
+    from asyncrl.actors.learner import Learner
+    from asyncrl.config import LearnerConfig
+
+    copy_ = copy.deepcopy(model).train()
+    optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-2)
+    learner = Learner(copy_, optimizer, GRPOLoss(LossConfig()), queue=None, weight_sync=None,  # type: ignore[arg-type]
+                      config=LearnerConfig(micro_batch_rollouts=3, skip_inert_groups=skip))
+    metrics = learner._train_step(groups)
+    return copy_, metrics
+
+
+@pytest.mark.parametrize("rewards", [[[1.0, 1.0, 1.0], [0.0, 1.0], [0.0, 0.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]]])
+def test_skipping_inert_groups_gives_the_same_step(model: torch.nn.Module, rewards: list[list[float]]) -> None:
+    groups = [_group(gid, model, r, -0.1) for gid, r in zip("abc", rewards)]
+    assert [GRPOLoss(LossConfig()).inert(g) for g in groups] == [len(set(r)) == 1 for r in rewards]
+    skipped, m_skip = _learner_step(model, groups, skip=True)
+    full, m_full = _learner_step(model, groups, skip=False)
+    for a, b in zip(skipped.parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not all(torch.equal(a, b) for a, b in zip(skipped.parameters(), model.parameters()))  # it did step
+    inert = sum(len(set(r)) == 1 for r in rewards) / len(rewards)
+    assert m_skip["train/inert_groups_frac"] == pytest.approx(inert) and m_full["train/inert_groups_frac"] == 0
+    for key in ("train/reward_mean", "train/completion_len_mean", "train/grad_norm"):
+        assert m_skip[key] == pytest.approx(m_full[key], abs=1e-5), key
+
+
+def test_kl_or_entropy_terms_make_uniform_groups_count(model: torch.nn.Module) -> None:
+    group = _group("a", model, [1.0, 1.0], 0.0)
+    assert GRPOLoss(LossConfig()).inert(group)
+    assert not GRPOLoss(LossConfig(entropy_coef=0.01)).inert(group)
+    assert not GRPOLoss(LossConfig(kl_coef=0.05), ref_model=model).inert(group)

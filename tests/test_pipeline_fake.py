@@ -4,6 +4,7 @@ test_pipeline_vllm.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 
@@ -260,3 +261,37 @@ def test_missing_model_path_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="VLLMEngineConfig.model"):
         VLLMEngineConfig(model=str(tmp_path / "nope"))
+
+
+class SlowPublishEngine(FakeEngine):
+    """Weight updates wait until ``release`` is set: a publication the test can hold in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def update_weights(self, update) -> None:
+        await self.release.wait()
+        await super().update_weights(update)
+
+
+async def test_overlapped_publication_trains_the_next_step_meanwhile():
+    engine = SlowPublishEngine()
+    loop = asyncio.get_running_loop()
+    seen_engine_versions: list[int] = []
+
+    class GateLoss(RecordingLoss):
+        def compute(self, model, groups):
+            seen_engine_versions.append(engine.version)
+            if len(seen_engine_versions) == 2:  # step 2 is training while publication 1 is still held
+                loop.call_soon_threadsafe(engine.release.set)
+            return super().compute(model, groups)
+
+    cfg = config(max_staleness=2)
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(
+        cfg.learner, sync=SyncConfig(overlap=True)))
+    pipe = make_pipeline(engine, prompts(200), cfg, loss=GateLoss())
+    stats = await asyncio.wait_for(pipe.run(steps=3), 30)
+    assert seen_engine_versions[:2] == [0, 0], "step 2 trained before publication 1 landed"
+    assert stats.version == engine.version == 3, "run() returns after the last publication landed"
+    assert stats.unaccounted == 0 and pipe.learner.weight_sync.count == 3

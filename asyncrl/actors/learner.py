@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.actors.weight_sync import WeightSync
-from asyncrl.algorithms.losses import Loss
+from asyncrl.algorithms.losses import Loss, SkipsInertGroups
 from asyncrl.config import LearnerConfig
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.metrics import Monitor, NullMonitor
@@ -54,19 +54,27 @@ class Learner:
         self.samples_trained = 0  # rollouts that reached the loss
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
+        self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
 
     async def run(self, steps: int) -> None:
-        """Train until ``self.step == steps``."""
-        while self.step < steps:
-            t0 = time.perf_counter()
-            try:
-                batch = await self.queue.get_batch(self.config.batch_groups, self.version)
-            except QueueClosed as exc:
-                log.warning("learner stopping after %d of %d steps: %s", self.step, steps, exc)
-                return
-            wait_s = time.perf_counter() - t0
-            result = await self.train_and_publish(batch)
-            await self.report(result, extra={"learner/wait_s": wait_s})
+        """Train until ``self.step == steps``; the last publication has landed when this returns."""
+        try:
+            while self.step < steps:
+                t0 = time.perf_counter()
+                try:
+                    batch = await self.queue.get_batch(self.config.batch_groups, self.version)
+                except QueueClosed as exc:
+                    log.warning("learner stopping after %d of %d steps: %s", self.step, steps, exc)
+                    break
+                wait_s = time.perf_counter() - t0
+                result = await self.train_and_publish(batch)
+                await self.report(result, extra={"learner/wait_s": wait_s})
+            await self.flush()
+        finally:
+            if self._publishing is not None:  # failing or cancelled: don't leave a publication running
+                self._publishing.cancel()
+                await asyncio.gather(self._publishing, return_exceptions=True)
+                self._publishing = None
 
     async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepResult:
         """One optimiser step on ``batch``, then a publication if this step is a sync step."""
@@ -84,30 +92,59 @@ class Learner:
         self.queue.ledger.trained += len(batch)
         metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness_batch_max"] = max(staleness)
-        timing = await self.publish() if self.step % self.config.sync.every == 0 else None
+        timing = None
+        if self.step % self.config.sync.every == 0:
+            timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())
         return StepResult(self.step, metrics, train_s, timing)
 
     async def publish(self) -> SyncTiming:
-        timing = await self.weight_sync.publish(state_dict_for_engine(self.model), self.version + 1)
+        """Publish the current weights and wait until the engine serves them."""
+        await self.flush()
+        return await self._publish(state_dict_for_engine(self.model))
+
+    async def flush(self) -> SyncTiming | None:
+        """Wait for the background publication, if any; returns its timing (raises its error)."""
+        task, self._publishing = self._publishing, None
+        return await task if task is not None else None
+
+    async def _publish_in_background(self) -> SyncTiming | None:
+        # At most one publication in flight. The next optimiser step changes the parameters in place, so
+        # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
+        previous = await self.flush()
+        snapshot = {k: v.detach().clone() for k, v in state_dict_for_engine(self.model).items()}
+        self._publishing = asyncio.create_task(self._publish(snapshot), name="learner-publish")
+        return previous
+
+    async def _publish(self, tensors: Mapping[str, torch.Tensor]) -> SyncTiming:
+        timing = await self.weight_sync.publish(tensors, self.version + 1)
         self.version += 1
         return timing
 
     def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        chunks = list(_chunks(batch, self.config.micro_batch_rollouts))
+        # Inert groups still count in the token normaliser, so the step equals one over the whole batch.
         total_tokens = sum(g.num_tokens for g in batch) or 1
+        active = [g for g in batch if not self._inert(g)]
         sums: dict[str, float] = {}
-        for chunk in chunks:
+        for chunk in _chunks(active, self.config.micro_batch_rollouts) if active else []:
             out = self.loss.compute(self.model, chunk)
             # Weight each micro-batch by its share of tokens so the step matches one full-batch pass.
             (out.loss * (out.num_tokens / total_tokens)).backward()
             for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * len(chunk) / len(batch)
+                sums[k] = sums.get(k, 0.0) + float(v) * len(chunk) / len(active)
+        if not active:  # a zero gradient, as scoring the batch would give: the optimiser still steps
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         grad_norm = self._clip_and_step()
+        sums.update(_batch_gauges(batch, active, sums))
         sums["train/grad_norm"] = grad_norm
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
+
+    def _inert(self, group: RolloutGroup) -> bool:
+        return self.config.skip_inert_groups and isinstance(self.loss, SkipsInertGroups) and self.loss.inert(group)
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -135,6 +172,20 @@ class Learner:
             if asyncio.iscoroutine(maybe):
                 await maybe
         self.monitor.log(result.step, metrics)
+
+
+def _batch_gauges(batch: Sequence[RolloutGroup], active: Sequence[RolloutGroup],
+                  loss_metrics: Mapping[str, float]) -> dict[str, float]:
+    """Reward and length gauges over the whole batch (the loss saw only the active groups)."""
+    total = sum(len(g.rollouts) for g in batch)
+    scored = sum(len(g.rollouts) for g in active)
+    gauges = {
+        "train/reward_mean": sum(r.reward for g in batch for r in g.rollouts) / total,
+        "train/completion_len_mean": sum(len(r.completion_ids) for g in batch for r in g.rollouts) / total,
+        "train/inert_groups_frac": 1 - len(active) / len(batch),
+    }
+    gauges["train/adv_abs_mean"] = loss_metrics.get("train/adv_abs_mean", 0.0) * scored / total  # inert: 0
+    return gauges
 
 
 def _chunks(batch: Sequence[RolloutGroup], max_rollouts: int) -> list[list[RolloutGroup]]:

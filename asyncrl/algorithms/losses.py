@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -89,6 +89,15 @@ class Loss(Protocol):
     def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
         """Score ``groups`` under ``model`` and return a loss to backpropagate. Called by the learner once
         per micro-batch; a micro-batch holds whole groups, so group baselines are never split."""
+        ...
+
+
+@runtime_checkable
+class SkipsInertGroups(Protocol):
+    """Losses that can tell, from rewards alone, that a group adds nothing to the gradient."""
+
+    def inert(self, group: RolloutGroup) -> bool:
+        """True when every term of this group's loss has zero gradient, so scoring it can be skipped."""
         ...
 
 
@@ -247,6 +256,14 @@ class GRPOLoss:
                                     ref_logp=self._ref_logprobs(prompts, completions), entropy=scored.entropy)
         metrics.update(_batch_metrics(rollouts, advantages))
         return LossOutput(loss=loss, metrics=metrics, num_tokens=int(scored.mask.sum()))
+
+    def inert(self, group: RolloutGroup) -> bool:
+        # Equal rewards give every rollout advantage 0, so each policy term is 0 * (bounded ratio terms) with
+        # zero gradient; only the KL and entropy terms could still move the weights.
+        if self.cfg.kl_coef > 0 or self.cfg.entropy_coef > 0:
+            return False
+        rewards = group.rewards
+        return len(rewards) <= 1 or all(r == rewards[0] for r in rewards)
 
     def advantages(self, groups: Sequence[RolloutGroup]) -> Tensor:
         """One advantage per rollout ``[B]``, each group normalised on its own (sizes may differ)."""
