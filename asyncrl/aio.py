@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 
 def first_cause(group: BaseExceptionGroup) -> BaseException:
@@ -21,3 +23,14 @@ def first_cause(group: BaseExceptionGroup) -> BaseException:
         if not isinstance(exc, asyncio.CancelledError):
             return exc
     return leaves[0]
+
+
+async def together(*aws: Awaitable[Any]) -> list[Any]:
+    """Run the awaitables concurrently and return their results. The first failure cancels the rest and is
+    raised as itself (callers catch specific errors, not exception groups)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(aw) for aw in aws]  # type: ignore[arg-type]
+    except BaseExceptionGroup as group:
+        raise first_cause(group) from group
+    return [t.result() for t in tasks]

@@ -9,7 +9,11 @@ fixed), both modes in the same process, alternating:
 
 - sync: ``Pipeline.run_synchronous``: generate a batch, train on it, publish, repeat (nothing overlaps);
 - async: ``Pipeline.run``: producers keep ``--batch-groups`` groups in flight while the learner trains on the
-  previous batch (max staleness ``--max-staleness``, keep-mode pause for every publication).
+  previous batch (max staleness ``--max-staleness``, keep-mode pause for every publication, published in the
+  background while the next step trains).
+
+Both train on every group (``skip_inert_groups=False``): the random model earns almost no reward, and
+skipping groups with equal rewards would remove the training phase being overlapped.
 
 From the sync run's phase times, T_gen = ``stats.gen_s`` and T_train = ``stats.train_s + stats.sync_s``,
 the ideal overlap bound is ``ideal = (T_gen + T_train) / max(T_gen, T_train)``. ``speedup`` is the async
@@ -82,8 +86,11 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
             sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, ignore_eos=True),
             max_inflight_groups=b),
         queue=asyncrl.QueueConfig(capacity=b, max_staleness=staleness),
+        # Every group is trained on (a random model earns no reward, so skipping inert groups would remove
+        # the training phase this benchmark overlaps); async publishes in the background.
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
-                                      sync=asyncrl.SyncConfig(mode="keep")),
+                                      skip_inert_groups=False,
+                                      sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous)),
     )
 
 

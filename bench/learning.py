@@ -23,7 +23,6 @@ time is excluded from the reported wall times). Writes ``bench/results/learning_
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import logging

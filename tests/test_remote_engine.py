@@ -20,7 +20,8 @@ from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.pool import EnginePool
-from asyncrl.engines.remote import NcclTransportConfig, NcclWeightTransport, RemoteEngineConfig, RemoteVLLMEngine
+from asyncrl.engines.nccl import NcclTransportConfig, NcclWeightTransport
+from asyncrl.engines.remote import RemoteEngineConfig, RemoteVLLMEngine
 from asyncrl.engines.server_process import ServerProcess, free_port, group_members, start_vllm_server
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.tasks import arithmetic

@@ -15,8 +15,8 @@ transit when the version changed (the gap is the whole staging + reload, tens of
 
 Weights reach the server by default as a safetensors directory (same machine, CPU or GPU) that it reloads
 through ``/collective_rpc``: asyncrl's worker extension when the server loaded it (it keeps tied weights tied),
-else vLLM's ``reload_weights``. On GPU, ``NcclWeightTransport`` broadcasts them through vLLM's NCCL
-weight-transfer backend instead.
+else vLLM's ``reload_weights``. On GPU, ``engines.nccl.NcclWeightTransport`` broadcasts them through vLLM's
+NCCL weight-transfer backend instead.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from asyncrl.aio import first_cause
+from asyncrl.aio import together
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError, request_seed
 from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
@@ -240,7 +240,7 @@ class RemoteVLLMEngine:
         max_tokens = min(params.max_tokens, room)
         count = params.n if n is None else n
         # One request per sample: its own seed, and it can be aborted alone.
-        return await _together(*(self._one(self._body(prompt_ids, params, i, max_tokens, request_id))
+        return await together(*(self._one(self._body(prompt_ids, params, i, max_tokens, request_id))
                                  for i in range(count)))
 
     def _body(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int, max_tokens: int,
@@ -566,96 +566,3 @@ def _finish_reason(engine: str, reason: str) -> FinishReason:
         return {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}[reason]
     except KeyError:
         raise EngineError(engine, f"unexpected finish reason {reason!r}") from None
-
-
-# -- NCCL weight transport (GPU) -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class NcclTransportConfig:
-    """Where the trainer side of vLLM's NCCL weight-transfer group lives."""
-
-    master_port: int  # free TCP port for the group's rendezvous store, hosted by this (trainer) process
-    master_address: str = "127.0.0.1"  # this host, as the server's workers reach it
-    device: str = "cuda:0"  # the trainer's GPU, from which weights are broadcast (not one the server uses)
-    init_timeout_s: float = 300.0  # group set-up (the workers join it inside /init_weight_transfer_engine)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
-            raise ConfigError("NcclTransportConfig.master_port", f"must be a TCP port, got {self.master_port!r}")
-        if not isinstance(self.device, str) or not self.device.startswith("cuda"):
-            raise ConfigError("NcclTransportConfig.device", f"must be a CUDA device, got {self.device!r}")
-        if not self.init_timeout_s > 0:
-            raise ConfigError("NcclTransportConfig.init_timeout_s", "must be > 0")
-
-
-class NcclWeightTransport:
-    """Publishes weights through the four-phase endpoints and vLLM's NCCL weight-transfer backend.
-
-    The server must run on GPU with ``--weight-transfer-config '{"backend": "nccl"}'``. This process joins the
-    group as rank 0 and broadcasts every tensor; the server's workers (ranks 1..) load them with the
-    layerwise-reload path. Only the payload fields common to vLLM 0.26 and 0.32 are sent, so transfers are
-    unpacked (one broadcast per tensor; both versions' workers default to that).
-    """
-
-    def __init__(self, cfg: NcclTransportConfig) -> None:
-        self._cfg = cfg
-        self._group: Any = None  # vLLM PyNcclCommunicator
-
-    async def setup(self, api: ServerApi) -> None:
-        workers = int((await api.get("/get_world_size"))["world_size"])
-        rendezvous = {"master_address": self._cfg.master_address, "master_port": self._cfg.master_port,
-                      "world_size": workers + 1}
-        init_info = {**rendezvous, "rank_offset": 1}  # the workers take the ranks after ours
-        # The workers block inside init_weight_transfer_engine until rank 0 (us) joins: run both at once.
-        async with asyncio.timeout(self._cfg.init_timeout_s):
-            _, self._group = await _together(
-                api.post("/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=math.inf),
-                asyncio.to_thread(self._join, rendezvous))
-        log.info("NCCL weight-transfer group with %s ready (%d workers)", api.base_url, workers)
-
-    def _join(self, rendezvous: dict[str, Any]) -> Any:
-        import torch
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-        torch.cuda.set_device(self._cfg.device)  # trainer_init opens the group on the current device
-        return trainer_init(rendezvous)
-
-    async def send(self, api: ServerApi, update: WeightUpdate) -> None:
-        if self._group is None:
-            raise WeightUpdateError("NCCL weight transport is not set up")
-        names = list(update.tensors)
-        tensors = [update.tensors[n] for n in names]
-        info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors]}
-        await api.post("/start_weight_update")
-        # /update_weights returns once the workers have received (and loaded) every broadcast tensor.
-        await _together(api.post("/update_weights", body={"update_info": info}, timeout_s=math.inf),
-                        asyncio.to_thread(self._broadcast, tensors))
-        await api.post("/finish_weight_update", body={"weight_version": str(update.version)})
-
-    def _broadcast(self, tensors: list[Any]) -> None:
-        import torch
-
-        torch.cuda.set_device(self._cfg.device)
-        stream = torch.cuda.current_stream()
-        for tensor in tensors:
-            # NCCL sends numel elements from data_ptr(): the tensor must be contiguous and on our device.
-            self._group.broadcast(tensor.detach().to(self._cfg.device).contiguous(), src=0, stream=stream)
-        stream.synchronize()
-
-    async def close(self) -> None:
-        group, self._group = self._group, None
-        if group is not None and hasattr(group, "destroy"):
-            await asyncio.to_thread(group.destroy)
-
-
-async def _together(*aws: Any) -> list[Any]:
-    """Run the awaitables concurrently; the first failure cancels the rest and is raised as itself (callers
-    catch EngineError or PromptRejected, not exception groups)."""
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(aw) for aw in aws]
-    except BaseExceptionGroup as group:
-        raise first_cause(group) from group
-    return [t.result() for t in tasks]
