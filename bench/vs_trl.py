@@ -12,7 +12,8 @@ the failure is recorded.
 Profiles (both sides get the same prompts in the same order, GRPO with n completions per prompt, beta 0,
 clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 
-- ``demo``: a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers), warm-started by supervised teacher
+- ``demo``: the demo task on a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers; the issue's reference
+  shape), warm-started (lr 1e-3) by supervised teacher
   forcing (``examples/common.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
   cached in ``.cache/bench/vs-trl``); 8 prompts x 8 completions of <= 8
   tokens per step. Both trained models are then scored on the same 200 held-out problems with the same
@@ -23,10 +24,11 @@ clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 ``samples_per_s_ratio_<profile>`` = ours / TRL, trained samples per second of the training loop
 (``Pipeline.run`` vs ``trainer.train()``; engine start-up and TRL's set-up are reported separately, and
 also folded into ``..._with_startup``). Targets: >= 1.5x demo, >= 3x gen-heavy. Ours runs asynchronously
-(max staleness 2, a keep-mode weight sync after every step, published in the background while the next step
-trains) with the learner on 1 torch thread (vLLM's worker holds the other core); groups whose rewards are all
-equal skip the forward/backward (same update: their advantage is 0), the share is reported as
-``inert_groups_frac``. TRL runs with 1 torch thread and with torch's default (2), and the faster run
+(max staleness 2, producers keeping two learner batches of groups in flight, a keep-mode weight sync every
+second step, published in the background while the next step trains) with the learner on the profile's torch threads (``learner_threads``: 1 for demo, 2 for gen-heavy, where
+generation leaves vLLM's core idle most of the time). In the demo profile, groups
+whose rewards are all equal skip the forward/backward (the same update: their advantage is 0; the share is
+reported as ``inert_groups_frac``); gen-heavy trains on every group. TRL runs with 1 torch thread and with torch's default (2), and the faster run
 is compared: on this shared 2-core machine two OpenMP threads can collapse under other load (seen: the same
 demo run took 15 s once and 496 s another time), so one thread is sometimes TRL's best.
 """
@@ -53,10 +55,16 @@ ROOT = common.ROOT
 TRL_VERSION = "1.16.0"
 PROFILES = {
     # name: model shape, batch shape, steps (full, quick), lr, fixed length, reward, warm start
+    # skip_inert: our learner skips groups with equal rewards (the same update). Off for gen-heavy, whose
+    # random model earns almost no reward: every group would be skipped and the profile would stop measuring
+    # training at all.
+    # learner_threads: our learner's torch threads (vLLM's worker holds one of the 2 cores; when generation
+    # is a small share of the work, a second learner thread uses that core while it idles).
     "demo": dict(hidden=256, layers=6, batch_groups=8, n=8, max_tokens=8, steps=(60, 20), lr=2e-4,
-                 fixed_length=False, reward="exact", warm=True),
+                 fixed_length=False, reward="exact", warm=True, warm_lr=1e-3, skip_inert=True, learner_threads=1),
     "genheavy": dict(hidden=512, layers=6, batch_groups=4, n=8, max_tokens=128, steps=(6, 2), lr=1e-5,
-                     fixed_length=True, reward="prefix", warm=False),
+                     fixed_length=True, reward="prefix", warm=False, warm_lr=0.0, skip_inert=False,
+                     learner_threads=2),
 }
 
 
@@ -70,15 +78,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv if it is missing")
     p.add_argument("--try-vllm-colocate", action=argparse.BooleanOptionalAction, default=True,
                    help="try TRL's vLLM colocate mode once (1 step) and record the outcome")
-    p.add_argument("--torch-threads", type=int, default=1, help="our learner's torch threads (CPU)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="our learner's torch threads (CPU); 0 = the profile's setting")
     p.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
                    help="TRL's torch threads, one TRL run per value (0 = torch's default, 2 here); the fastest "
                         "run is compared. With --quick the gen-heavy profile runs only the first value")
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--sync-every", type=int, default=2, help="our learner publishes every N steps")
+    p.add_argument("--inflight-batches", type=int, default=2,
+                   help="our producers keep this many learner batches of groups in flight")
     p.add_argument("--warm-target", type=float, default=0.3)
-    p.add_argument("--warm-max-steps", type=int, default=600,
-                   help="cap on the warm start's SFT steps (~0.3-0.7 s each for the 4.7M model on 2 busy cores)")
+    p.add_argument("--warm-max-steps", type=int, default=3000,
+                   help="cap on the warm start's SFT steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-timeout", type=int, default=1800, help="seconds per TRL subprocess")
     common.add_engine_flags(p, max_num_seqs=64)
@@ -132,7 +144,8 @@ def run_trl(args: argparse.Namespace, spec: dict[str, Any], work: Path, name: st
 def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any, ex: Any) -> tuple[Path, dict]:
     """The checkpoint both sides start from, cached by its recipe."""
     recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
-              "target": args.warm_target, "max_steps": args.warm_max_steps, "held_out": args.held_out, "version": 1}
+              "warm_lr": prof["warm_lr"], "target": args.warm_target, "max_steps": args.warm_max_steps,
+              "held_out": args.held_out, "version": 2}
     out = common.CACHE / "vs-trl" / name
     marker = out / "recipe.json"
     if marker.exists() and json.loads(marker.read_text())["recipe"] == recipe:
@@ -142,7 +155,7 @@ def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: 
     info: dict[str, Any] = {}
     if prof["warm"]:
         r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps,
-                                                        seed=args.seed), progress=False)
+                                                  lr=prof["warm_lr"], seed=args.seed), progress=False)
         info = {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
     marker.write_text(json.dumps({"recipe": recipe, "warm_start": info}))
     return out, info
@@ -175,6 +188,9 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
     from asyncrl.engines.vllm_local import VLLMEngine
     from asyncrl.recipes import grpo_pipeline
 
+    import torch
+
+    torch.set_num_threads(args.torch_threads or prof["learner_threads"])
     b, n, t = prof["batch_groups"], prof["n"], prof["max_tokens"]
     longest = max(len(p.token_ids) for p in prompts)
     t0 = time.perf_counter()
@@ -185,10 +201,12 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
         config = asyncrl.PipelineConfig(
             producer=asyncrl.ProducerConfig(
                 sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
-                max_inflight_groups=b),
+                max_inflight_groups=b * args.inflight_batches),
             queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
             learner=asyncrl.LearnerConfig(batch_groups=b, lr=prof["lr"], micro_batch_rollouts=b * n,
-                                          sync=asyncrl.SyncConfig(mode="keep", overlap=True)),
+                                          skip_inert_groups=prof["skip_inert"],
+                                          sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep",
+                                                                  overlap=True)),
         )
         model = common.load_learner(model_dir)
         pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), config,
@@ -301,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         raise SystemExit(f"bench/vs_trl.py needs examples/common.py (tasks, warm start, evaluation): {exc}")
     transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(args.torch_threads)
     if not args.trl_python.exists():
         if not args.setup_trl:
             raise SystemExit(f"no TRL venv at {args.trl_python}; run with --setup-trl to create it")
