@@ -126,7 +126,7 @@ class Pipeline:
                 tasks = [tg.create_task(producer.produce_one(i, p)) for i, p in items]
             batch.extend(g for t in tasks if (g := t.result()) is not None)
         # produce_one put the groups into the queue too; take them out so the books balance.
-        return await self.queue.get_batch(len(batch), self.learner.version) if batch else []
+        return await self.queue.get_batch(len(batch), self.learner.policy_version) if batch else []
 
     async def _watch_engine(self) -> None:
         # Polling is the only signal from an engine process that dies silently.

@@ -295,3 +295,16 @@ async def test_overlapped_publication_trains_the_next_step_meanwhile():
     assert seen_engine_versions[:2] == [0, 0], "step 2 trained before publication 1 landed"
     assert stats.version == engine.version == 3, "run() returns after the last publication landed"
     assert stats.unaccounted == 0 and pipe.learner.weight_sync.count == 3
+
+
+async def test_overlapped_publication_keeps_staleness_within_bounds():
+    engine = FakeEngine(token_delay_s=0.0005)
+    cfg = config(max_staleness=1, inflight=8)
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, sync=SyncConfig(overlap=True)))
+    pipe = make_pipeline(engine, prompts(1000), cfg)
+    pipe.learner.loss.version = lambda: pipe.learner.policy_version
+    stats = await asyncio.wait_for(pipe.run(steps=12), 30)
+    seen = [staleness for _, staleness in pipe.learner.loss.seen]
+    assert seen and all(0 <= s <= 1 for s in seen), seen
+    assert min(pipe.queue.stats.staleness_trained) >= 0
+    assert stats.version == engine.version == 12 and stats.unaccounted == 0

@@ -62,7 +62,7 @@ class Learner:
             while self.step < steps:
                 t0 = time.perf_counter()
                 try:
-                    batch = await self.queue.get_batch(self.config.batch_groups, self.version)
+                    batch = await self.queue.get_batch(self.config.batch_groups, self.policy_version)
                 except QueueClosed as exc:
                     log.warning("learner stopping after %d of %d steps: %s", self.step, steps, exc)
                     break
@@ -76,9 +76,17 @@ class Learner:
                 await asyncio.gather(self._publishing, return_exceptions=True)
                 self._publishing = None
 
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the learner trains now: ``version``, or ``version + 1`` while they are
+        being published in the background (``sync.overlap``). Staleness is measured against it, so a group
+        sampled after that publication landed is 0 steps old, never -1."""
+        pending = self._publishing is not None and not self._publishing.done()
+        return self.version + 1 if pending else self.version
+
     async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepResult:
         """One optimiser step on ``batch``, then a publication if this step is a sync step."""
-        staleness = [g.staleness(self.version) for g in batch]
+        staleness = [g.staleness(self.policy_version) for g in batch]
         t0 = time.perf_counter()
         try:
             metrics = await asyncio.to_thread(self._train_step, batch)
