@@ -104,8 +104,9 @@ class AsyncRLWorkerExtension:
 
     def asyncrl_commit(self, version: int) -> None:
         """Copy the staged shadows into the live parameters (call while generation is paused)."""
-        if getattr(self, "_asyncrl_staged", None) != version:
-            raise RuntimeError(f"no staged weights for version {version} (staged: {self._asyncrl_staged!r})")
+        staged = getattr(self, "_asyncrl_staged", None)
+        if staged != version:
+            raise RuntimeError(f"no staged weights for version {version} (staged: {staged!r})")
         live = dict(self.model_runner.get_model().named_parameters())
         names = list(self._asyncrl_shadows)
         torch._foreach_copy_([live[n].data for n in names], [self._asyncrl_shadows[n] for n in names])
@@ -113,9 +114,10 @@ class AsyncRLWorkerExtension:
         self._asyncrl_staged = None
 
     def _asyncrl_shadow_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        # Allocated once and reused: one extra copy of the weights in the engine's memory.
+        # Allocated once and reused: one extra copy of the weights in the engine's memory. Cloned, not empty:
+        # a parameter the loader never writes (none should be) then keeps its live value instead of garbage.
         if getattr(self, "_asyncrl_shadows", None) is None:
-            self._asyncrl_shadows = {n: torch.empty_like(p.data) for n, p in model.named_parameters()}
+            self._asyncrl_shadows = {n: p.data.clone() for n, p in model.named_parameters()}
         return self._asyncrl_shadows
 
 
