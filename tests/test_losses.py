@@ -325,7 +325,7 @@ def test_skipping_inert_groups_gives_the_same_step(model: torch.nn.Module, rewar
     assert not all(torch.equal(a, b) for a, b in zip(skipped.parameters(), model.parameters()))  # it did step
     inert = sum(len(set(r)) == 1 for r in rewards) / len(rewards)
     assert m_skip["train/inert_groups_frac"] == pytest.approx(inert) and m_full["train/inert_groups_frac"] == 0
-    for key in ("train/reward_mean", "train/completion_len_mean", "train/grad_norm"):
+    for key in ("train/reward_mean", "train/completion_len_mean", "train/grad_norm", "loss/total"):
         assert m_skip[key] == pytest.approx(m_full[key], abs=1e-5), key
 
 
@@ -334,3 +334,9 @@ def test_kl_or_entropy_terms_make_uniform_groups_count(model: torch.nn.Module) -
     assert GRPOLoss(LossConfig()).inert(group)
     assert not GRPOLoss(LossConfig(entropy_coef=0.01)).inert(group)
     assert not GRPOLoss(LossConfig(kl_coef=0.05), ref_model=model).inert(group)
+
+
+def test_a_batch_of_inert_groups_still_reports_its_loss(model: torch.nn.Module) -> None:
+    groups = [_group("a", model, [1.0, 1.0], 0.0), _group("b", model, [0.0, 0.0, 0.0], 0.0)]
+    _, metrics = _learner_step(model, groups, skip=True)
+    assert metrics["loss/policy"] == metrics["loss/total"] == 0.0 and metrics["train/inert_groups_frac"] == 1.0

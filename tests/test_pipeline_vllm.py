@@ -37,7 +37,10 @@ def pipeline_config(*, mode=PauseMode.KEEP, max_staleness=1, capacity=8, batch=2
     return PipelineConfig(
         producer=ProducerConfig(sampling=SamplingConfig(n=4, max_tokens=6), max_inflight_groups=inflight),
         queue=QueueConfig(capacity=capacity, max_staleness=max_staleness),
-        learner=LearnerConfig(batch_groups=batch, lr=1e-4, sync=SyncConfig(every=every, mode=mode)),
+        # Every group reaches the loss (the tiny random model earns no reward, so all groups would be inert
+        # and skipped), so the recording loss sees what the learner trained on.
+        learner=LearnerConfig(batch_groups=batch, lr=1e-4, skip_inert_groups=False,
+                              sync=SyncConfig(every=every, mode=mode)),
     )
 
 

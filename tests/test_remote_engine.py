@@ -226,8 +226,11 @@ async def test_generate_logprobs_and_token_ids(engine: RemoteVLLMEngine, hf_mode
         # Behaviour log-probs are the model's own at temperature 1.
         hf = _hf_logprobs(hf_model, list(PROMPT) + list(s.token_ids))[-len(s.token_ids):]
         assert _max_diff(list(s.logprobs), hf) < TOL
-    again = await engine.generate(PROMPT, params, "gen-again")  # same seeds, same samples
+    # Seeds derive from the run seed and the request id: the same request replays, another one differs.
+    again = await engine.generate(PROMPT, params, "gen")
     assert [s.token_ids for s in again] == [s.token_ids for s in samples]
+    other = await engine.generate(PROMPT, params, "gen-other")
+    assert [s.token_ids for s in other] != [s.token_ids for s in samples]
     with pytest.raises(PromptRejected):
         await engine.generate((), params, "empty")
     with pytest.raises(PromptRejected):
@@ -445,11 +448,17 @@ async def test_nccl_transport_publishes_weights(model_dir: Path, hf_model: torch
                 before = [await engine.prompt_logprobs(ids) for ids in SEQS]
                 assert max(_max_diff(g, w) for g, w in zip(before, want, strict=True)) > 0.05
                 tensors = {k: v.to("cuda:1") for k, v in state_dict_for_engine(model).items()}
+                t0 = time.perf_counter()
                 await engine.pause(PauseMode.KEEP, clear_cache=True)
                 try:
+                    t1 = time.perf_counter()
                     await engine.update_weights(WeightUpdate(version=version, tensors=tensors))
+                    t2 = time.perf_counter()
                 finally:
                     await engine.resume()
+                mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+                print(f"NCCL sync v{version}: {mib:.1f} MiB, paused {time.perf_counter() - t0:.3f}s "
+                      f"(pause {t1 - t0:.3f}s, transfer {t2 - t1:.3f}s)", flush=True)
                 assert engine.version == version
                 after = [await engine.prompt_logprobs(ids) for ids in SEQS]
                 assert max(_max_diff(g, w) for g, w in zip(after, want, strict=True)) < TOL

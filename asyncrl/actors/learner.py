@@ -135,12 +135,18 @@ class Learner:
         total_tokens = sum(g.num_tokens for g in batch) or 1
         active = [g for g in batch if not self._inert(g)]
         sums: dict[str, float] = {}
+        batch_loss = 0.0  # the loss of the whole batch, inert groups contributing 0
         for chunk in _chunks(active, self.config.micro_batch_rollouts) if active else []:
             out = self.loss.compute(self.model, chunk)
             # Weight each micro-batch by its share of tokens so the step matches one full-batch pass.
-            (out.loss * (out.num_tokens / total_tokens)).backward()
+            weighted = out.loss * (out.num_tokens / total_tokens)
+            weighted.backward()
+            batch_loss += float(weighted.detach())
             for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * len(chunk) / len(active)
+        sums["loss/total"] = batch_loss  # exact, where the per-chunk average would only approximate it
+        if len(active) < len(batch):  # groups are skipped only without KL/entropy terms: policy == total
+            sums["loss/policy"] = batch_loss
         if not active:  # a zero gradient, as scoring the batch would give: the optimiser still steps
             for p in self.model.parameters():
                 if p.requires_grad:

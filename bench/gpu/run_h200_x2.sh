@@ -13,8 +13,10 @@ export PYTHONPATH="$PWD/.cache/gpu-extra/site:$PWD:${PYTHONPATH:-}"
 export VLLM_LOGGING_LEVEL=WARNING PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary$PART.txt"; }
-[ -d /tmp/q05 ] || step build 150 python3 bench/gpu/build_qwen05.py /tmp/q05
-if [ "$PART" = 1 ]; then
+[ "$PART" = nccl ] || [ -d /tmp/q05 ] || step build 150 python3 bench/gpu/build_qwen05.py /tmp/q05
+if [ "$PART" = nccl ]; then  # the NCCL test alone, with its sync times printed
+  step nccl 300 python3 -m pytest -o addopts="" -q -s -m gpu -k nccl tests/test_remote_engine.py
+elif [ "$PART" = 1 ]; then
   step nccl 240 python3 -m pytest -o addopts="" -q -m gpu -k nccl tests/test_remote_engine.py
   ASYNCRL_BENCH_MODEL=/tmp/q05 step ws_ipc 180 python3 bench/weight_sync.py --sizes 1gib --reps 5 --background 4
   cp bench/results/weight_sync_h200.json "$OUT/weight_sync_ipc_h200.json" 2>/dev/null
@@ -26,4 +28,4 @@ else
     --background 4 --transfer files
   cp bench/results/weight_sync_h200.json "$OUT/weight_sync_files_h200.json" 2>/dev/null
 fi
-grep -hE "passed|failed|skipped|error|^E |paused" "$OUT"/*.log | grep -v WARNING | tail -30
+grep -hE "passed|failed|skipped|error|^E |paused|NCCL sync" "$OUT"/*.log | grep -v WARNING | tail -30
