@@ -5,7 +5,8 @@
 
 For each model size (untied Qwen2 shapes whose large vocabulary supplies most of the bytes), one engine is
 started and, while a light background load keeps requests in flight, the learner's weights are published
-``--reps`` times through ``WeightSync.publish`` (keep mode, cache cleared): its ``SyncTiming`` splits the paused
+``--reps`` times through ``WeightSync.publish`` (keep mode, cache cleared; default 4 reps, alternating with
+the floor below, which goes first on odd reps): its ``SyncTiming`` splits the paused
 time into ``pause_s``, ``transfer_s`` (the layerwise reload + version stamp; since the library prepares
 updates before pausing, validating and writing the safetensors file are ``prepare_s``, outside the pause
 while generation continues, but the learner waits for them) and ``resume_s``. Alternating with those, in the same run:
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="skip the 1 GiB model")
     p.add_argument("--sizes", nargs="*", choices=[s[0] for s in SIZES], help="models to run (default: all)")
-    p.add_argument("--reps", type=int, default=3, help="publishes (and floor reloads) per model")
+    p.add_argument("--reps", type=int, default=4, help="publishes (and floor reloads) per model")
     p.add_argument("--mode", choices=("keep", "abort", "wait"), default="keep", help="pause mode")
     p.add_argument("--background", type=int, default=4, help="groups kept in flight during syncs (0 = idle)")
     p.add_argument("--seed", type=int, default=0)
@@ -153,8 +154,13 @@ async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[
             bg = tg.create_task(background_load(engine, prompt, args.background, stop))
             await asyncio.sleep(0.5)
             for rep in range(args.reps):
+                # Alternate which goes first: the worker's allocator and page cache warm up over the first
+                # reloads, and that should not always favour the same side.
+                if rep % 2:
+                    floors.append(await reload_floor(engine, floor_dir, args.mode))
                 timings.append(await sync.publish(tensors, engine.version + 1))
-                floors.append(await reload_floor(engine, floor_dir, args.mode))
+                if not rep % 2:
+                    floors.append(await reload_floor(engine, floor_dir, args.mode))
                 t = timings[-1]
                 print(f"  {name} rep {rep}: prepared {getattr(t, 'prepare_s', 0.0):.3f}s before pausing; "
                       f"paused {t.total_s:.3f}s (pause {t.pause_s:.3f} transfer "
