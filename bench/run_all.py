@@ -3,7 +3,8 @@
     python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
 
 Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, vs_trl, learning (when
-``bench/learning.py`` exists). ``--quick`` is passed to each. Each writes ``bench/results/<name>_<device>.json``;
+``bench/learning.py`` exists). ``--quick`` is passed to each; vs_trl also gets ``--setup-trl`` (it builds TRL's
+venv in ``.cache/trl-venv`` when missing). Each writes ``bench/results/<name>_<device>.json``;
 a benchmark that fails is reported and the others still run. Exit status 1 if any failed.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "vs_trl", "learning")
+EXTRA = {"vs_trl": ["--setup-trl"]}  # on a fresh machine, vs_trl creates TRL's own venv first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     times: dict[str, float] = {}
     for name in names:
-        cmd = [sys.executable, str(BENCH / f"{name}.py"), *(["--quick"] if args.quick else [])]
+        cmd = [sys.executable, str(BENCH / f"{name}.py"), *(["--quick"] if args.quick else []), *EXTRA.get(name, [])]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=BENCH.parent).returncode
