@@ -107,5 +107,16 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
             assert engine.version == 1
         after = await engine.generate(prompt, params, "after-refusals")
         assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
+
+        # Repeated syncs leave no GPU memory behind in the learner's process (the IPC snapshot is freed).
+        nbytes = sum(t.numel() * 2 for t in good.values())  # one bfloat16 snapshot
+        base = torch.cuda.memory_allocated()
+        for version in range(5, 8):
+            await engine.pause(PauseMode.KEEP, clear_cache=True)
+            try:
+                await engine.update_weights(WeightUpdate(version, good))
+            finally:
+                await engine.resume()
+        assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes
     finally:
         await engine.close()

@@ -310,7 +310,10 @@ class VLLMEngine:
             raise WeightUpdateError(f"engine {self.name}: staging the update failed ({exc!r}); live weights "
                                     f"untouched, version stays {self._version}") from exc
         finally:
-            del flat  # the workers copied it (or failed); the learner's memory is free again
+            # The workers copied it (or failed) and dropped their handles; without ipc_collect a buffer shared
+            # over IPC may stay reserved in this process after it is freed.
+            del flat
+            torch.cuda.ipc_collect()
         return replace(update, staged=StagedInEngine(update.version))
 
     def discard_update(self, update: WeightUpdate) -> None:
