@@ -214,8 +214,12 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
                                  pad_id=tok.pad_token_id, version=engine.version, close_engine=False)
         rewards: list[float] = []
         inert: list[float] = []
-        pipeline.learner.hooks.append(lambda step, m: (rewards.append(m.get("train/reward_mean", float("nan"))),
-                                                       inert.append(m.get("train/inert_groups_frac", 0.0))))
+
+        def record(step: int, m: dict[str, float]) -> None:
+            rewards.append(m.get("train/reward_mean", float("nan")))
+            inert.append(m.get("train/inert_groups_frac", 0.0))
+
+        pipeline.learner.hooks.append(record)
         t1 = time.perf_counter()
         stats = await pipeline.run(steps)
         train_s = time.perf_counter() - t1

@@ -14,7 +14,7 @@ import torch
 
 from asyncrl import LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
 from asyncrl.config import SamplingConfig as Sampling
-from asyncrl.engines import vllm_local
+from asyncrl.engines import weights
 from asyncrl.engines.base import EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.engines.supervisor import SupervisedEngine
 from asyncrl.engines.vllm_local import VLLMEngine
@@ -96,7 +96,7 @@ async def test_update_failing_part_way_restores_previous_weights(vllm_engine, ti
     bad = {k: v + torch.randn_like(v) * 0.1 for k, v in state_dict_for_engine(base).items()}
     last = sorted(bad)[-1]  # loaded last: every earlier layer is already replaced when it fails
     bad[last] = torch.zeros(bad[last].shape[0] + 1)
-    monkeypatch.setattr(vllm_local, "validate_update", lambda tensors, manifest: None)  # let it through
+    monkeypatch.setattr(weights, "validate_update", lambda tensors, manifest: None)  # let it through
     await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
         with pytest.raises(WeightUpdateError, match="restored"):

@@ -119,7 +119,7 @@ class Learner:
         # At most one publication in flight. The next optimiser step changes the parameters in place, so
         # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
         previous = await self.flush()
-        snapshot = {k: v.detach().clone() for k, v in state_dict_for_engine(self.model).items()}
+        snapshot = await asyncio.to_thread(_snapshot, self.model)  # a copy of every weight: off the event loop
         self._publishing = asyncio.create_task(self._publish(snapshot), name="learner-publish")
         return previous
 
@@ -186,6 +186,10 @@ class Learner:
             if asyncio.iscoroutine(maybe):
                 await maybe
         self.monitor.log(result.step, metrics)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state_dict_for_engine(model).items()}
 
 
 def _batch_gauges(batch: Sequence[RolloutGroup], active: Sequence[RolloutGroup],

@@ -48,7 +48,7 @@ from aiohttp import web
 
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import Engine, EngineError, PreparesUpdates, WeightUpdate, WeightUpdateError
-from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
+from asyncrl.engines.weights import read_manifest, staging_root, torch_dtype, validate_and_stage
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -458,8 +458,8 @@ class RemoteControlEngine:
 
     async def _post_staged(self, path: str, update: WeightUpdate) -> dict[str, Any]:
         """Validate and stage ``update``, post its directory to ``path``, delete the directory once answered."""
-        validate_update(update.tensors, self._manifest)  # refuse here, before anything is written or sent
-        staged = await _stage(update, self._dtype, self._staging_root)
+        # Refused here, before anything is written or sent.
+        staged = await validate_and_stage(update.tensors, self._manifest, self._dtype, self._staging_root)
         try:
             return await self._call("POST", path, {"version": update.version, "path": str(staged)})
         finally:
@@ -494,14 +494,3 @@ class RemoteControlEngine:
         if status == 409:
             raise WeightUpdateError(f"engine {self.name}: {message}")
         raise ControlError(self.name, message, status)
-
-
-async def _stage(update: WeightUpdate, dtype: Any, root: Path) -> Path:
-    """``stage`` in a thread; if we are cancelled meanwhile, the directory it still writes is removed."""
-    staging = asyncio.ensure_future(asyncio.to_thread(stage, update.tensors, dtype, root))
-    try:
-        return await asyncio.shield(staging)
-    except asyncio.CancelledError:
-        staging.add_done_callback(
-            lambda done: done.cancelled() or done.exception() or shutil.rmtree(done.result(), ignore_errors=True))
-        raise

@@ -38,7 +38,7 @@ import aiohttp
 from asyncrl.aio import together
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError, request_seed
-from asyncrl.engines.weights import read_manifest, stage, staging_root, torch_dtype, validate_update
+from asyncrl.engines.weights import read_manifest, staging_root, torch_dtype, validate_and_stage, validate_update
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 log = logging.getLogger(__name__)
@@ -345,17 +345,17 @@ class RemoteVLLMEngine:
 
     async def update_weights(self, update: WeightUpdate) -> None:
         self._raise_if_closed()
-        validate_update(update.tensors, self._manifest)
         if self._transport is None:
             await self._update_from_files(update)
         else:
+            validate_update(update.tensors, self._manifest)
             await self._update_through_transport(update)
         await self._set_version(update.version)
 
     async def _update_from_files(self, update: WeightUpdate) -> None:
         dtype = torch_dtype(next(iter(self._manifest.values())).dtype)
         root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else staging_root()
-        staged = await _stage(update, dtype, root)
+        staged = await validate_and_stage(update.tensors, self._manifest, dtype, root)
         try:
             await self._reload(staged)
         except BaseException as exc:
@@ -432,21 +432,6 @@ class RemoteVLLMEngine:
             await self._api.session.close()
             if self._staged is not None:
                 shutil.rmtree(self._staged, ignore_errors=True)
-
-
-async def _stage(update: WeightUpdate, dtype: Any, root: Path) -> Path:
-    """``stage`` in a thread; if we are cancelled meanwhile, the directory it still writes is removed."""
-    staging = asyncio.ensure_future(asyncio.to_thread(stage, update.tensors, dtype, root))
-    try:
-        return await asyncio.shield(staging)
-    except asyncio.CancelledError:
-        staging.add_done_callback(_remove_staged)
-        raise
-
-
-def _remove_staged(done: asyncio.Future[Path]) -> None:
-    if not done.cancelled() and done.exception() is None:
-        shutil.rmtree(done.result(), ignore_errors=True)
 
 
 async def _server_info(api: ServerApi, cfg: RemoteEngineConfig) -> _ServerInfo:

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl.aio import first_cause
+from asyncrl.aio import together
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.engines.base import (EngineError, PromptRejected, StagedInEngine, WeightUpdate, WeightUpdateError,
                                   request_seed)
-from asyncrl.engines.weights import first_non_finite, read_manifest, stage, torch_dtype, validate_update
+from asyncrl.engines.weights import (first_non_finite, read_manifest, torch_dtype, validate_and_stage,
+                                     validate_update)
 from asyncrl.engines.worker_ext import EXTENSION as WORKER_EXTENSION
 from asyncrl.engines.worker_ext import pack_for_ipc
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
@@ -181,14 +182,9 @@ class VLLMEngine:
         self._raise_if_dead()
         max_tokens = min(params.max_tokens, room)
         count = params.n if n is None else n
-        try:
-            async with asyncio.TaskGroup() as tg:
-                ids = [f"{request_id}-{i}" for i in range(count)]
-                tasks = [tg.create_task(self._one(prompt_ids, self._sampling_params(params, rid, max_tokens), rid))
-                         for rid in ids]
-        except BaseExceptionGroup as group:
-            raise first_cause(group) from group
-        return [t.result() for t in tasks]
+        ids = [f"{request_id}-{i}" for i in range(count)]
+        return await together(*(self._one(prompt_ids, self._sampling_params(params, rid, max_tokens), rid)
+                                for rid in ids))
 
     async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
         # vLLM aborts the request itself when this generator is closed by cancellation.
@@ -287,8 +283,7 @@ class VLLMEngine:
             return update
         if self._ipc:
             return await self._stage_in_engine(update)
-        validate_update(update.tensors, self._manifest)
-        staged = await asyncio.to_thread(stage, update.tensors, self._dtype)
+        staged = await validate_and_stage(update.tensors, self._manifest, self._dtype)
         return replace(update, staged=staged)
 
     async def _stage_in_engine(self, update: WeightUpdate) -> WeightUpdate:

@@ -6,6 +6,7 @@ a bad update (missing or unknown names, wrong shapes, NaN) is refused with nothi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -62,8 +63,8 @@ def validate_update(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, 
             raise WeightUpdateError(f"parameter {name}: shape {tuple(tensor.shape)}, engine expects {want.shape}")
         if not tensor.is_floating_point():
             raise WeightUpdateError(f"parameter {name}: dtype {tensor.dtype} is not floating point")
-        if check_finite and not bool(torch.isfinite(tensor).all()):
-            raise WeightUpdateError(f"parameter {name}: contains NaN or infinite values")
+    if check_finite and (bad := first_non_finite(tensors)) is not None:
+        raise WeightUpdateError(f"parameter {bad}: contains NaN or infinite values")
 
 
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
@@ -90,6 +91,27 @@ def stage(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, root: Path | 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp
+
+
+async def validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
+                             dtype: torch.dtype, root: Path | None = None) -> Path:
+    """``validate_update``, then ``stage`` in a thread. If the caller is cancelled while the file is being
+    written, the directory is removed once the write is done.
+
+    Validation stays on the caller's thread: moved into the worker thread as well, it made the embedded
+    service example exit with status 255 at shutdown (not diagnosed)."""
+    validate_update(tensors, manifest)
+    job = asyncio.ensure_future(asyncio.to_thread(stage, tensors, dtype, root))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(_remove_staged)
+        raise
+
+
+def _remove_staged(done: asyncio.Future[Path]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        shutil.rmtree(done.result(), ignore_errors=True)
 
 
 def state_dict_for_engine(model: torch.nn.Module) -> dict[str, torch.Tensor]:

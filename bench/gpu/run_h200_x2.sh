@@ -5,15 +5,13 @@
 #   part 2: the benchmark again, the in-process GPU tests (both weight transfers), the benchmark over files.
 # Usage (device tool, kind nvidia-h200-x2, carry [".gpu", ".cache/gpu-extra"]):
 #   bash bench/gpu/run_h200_x2.sh 1   then   bash bench/gpu/run_h200_x2.sh 2      (logs and JSON land in $OUT)
-set -u
 PART=${1:-1}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source .gpu/setup.sh > "$OUT/setup$PART.log" 2>&1 || { cat "$OUT/setup$PART.log"; exit 2; }
+SETUP_LOG="setup$PART.log"
+SUMMARY="summary$PART.txt"
+source bench/gpu/common.sh
 export PYTHONPATH="$PWD/.cache/gpu-extra/site:$PWD:${PYTHONPATH:-}"
-export VLLM_LOGGING_LEVEL=WARNING PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/summary$PART.txt"; }
-[ "$PART" = nccl ] || [ -d /tmp/q05 ] || step build 150 python3 bench/gpu/build_qwen05.py /tmp/q05
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # the host's GPUs are shared: no NVLink multicast
+[ "$PART" = nccl ] || build_q05
 if [ "$PART" = nccl ]; then  # the NCCL test alone, with its sync times printed
   step nccl 300 python3 -m pytest -o addopts="" -q -s -m gpu -k nccl tests/test_remote_engine.py
 elif [ "$PART" = 1 ]; then
