@@ -163,6 +163,8 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int = 64, kv_c
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="no torch.compile / CUDA graphs (on GPU try --no-enforce-eager)")
+    g.add_argument("--busy-wait", choices=("auto", "on", "off"), default="auto",
+                   help="vLLM's internal queue readers spin (on) or block (off); auto = off on CPU, on on GPU")
     g.add_argument("--engine-extra", type=json.loads, default={},
                    help='more AsyncEngineArgs fields as JSON, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
 
@@ -183,7 +185,8 @@ def engine_config(args: argparse.Namespace, model_dir: Path, max_model_len: int,
     return VLLMEngineConfig(model=str(model_dir), dtype=engine_dtype(args), max_model_len=max_model_len,
                             max_num_seqs=args.max_num_seqs, kv_cache_gib=kv,
                             gpu_memory_utilization=args.gpu_memory_utilization,
-                            enforce_eager=args.enforce_eager, seed=seed, extra=dict(args.engine_extra))
+                            enforce_eager=args.enforce_eager, seed=seed, extra=dict(args.engine_extra),
+                            busy_wait={"auto": None, "on": True, "off": False}[args.busy_wait])
 
 
 def learner_device() -> str:

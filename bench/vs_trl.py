@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profiles", nargs="*", choices=list(PROFILES), default=list(PROFILES))
     p.add_argument("--steps", type=int, help="override the steps of every profile")
+    p.add_argument("--lr", type=float, help="override the learning rate of every profile (both sides)")
     p.add_argument("--trl-python", type=Path, default=ROOT / ".cache" / "trl-venv" / "bin" / "python")
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv if it is missing")
     p.add_argument("--try-vllm-colocate", action=argparse.BooleanOptionalAction, default=True,
@@ -203,7 +204,7 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
                 sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
                 max_inflight_groups=b * args.inflight_batches),
             queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
-            learner=asyncrl.LearnerConfig(batch_groups=b, lr=prof["lr"], micro_batch_rollouts=b * n,
+            learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr or prof["lr"], micro_batch_rollouts=b * n,
                                           skip_inert_groups=prof["skip_inert"],
                                           sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep",
                                                                   overlap=True)),
@@ -268,7 +269,7 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
         spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / f"{name}-t{threads}"),
                 "prompts": [e.prompt for e in chosen], "answers": [e.answer for e in chosen], "n": prof["n"],
                 "batch_groups": prof["batch_groups"], "max_tokens": prof["max_tokens"], "steps": steps,
-                "lr": prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"],
+                "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"],
                 "use_vllm": False, "threads": threads or None}
         trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", f"{name}-t{threads}")
         trl_runs.append(trl)

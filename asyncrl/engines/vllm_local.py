@@ -33,6 +33,8 @@ from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 log = logging.getLogger(__name__)
 
 RESTORE_ATTEMPTS = 3  # full reloads of the last good weights after a failed update
+EXECUTOR_QUALNAME = "asyncrl.engines.vllm_executor.NappingReadersExecutor"  # loaded by name in EngineCore
+ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
 DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engine died
 DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
@@ -52,6 +54,9 @@ class VLLMEngineConfig:
     # "auto": cuda_ipc on a CUDA GPU, files elsewhere. cuda_ipc keeps one extra copy of the weights in the
     # engine's GPU memory (the shadows) and needs the learner on the same host.
     weight_transfer: str = "auto"
+    # Whether vLLM's internal queue readers spin for a second after each message (vLLM's default) or block
+    # until notified. None: block on CPU, where the spinning takes a core from the learner; spin on GPU.
+    busy_wait: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields, passed as is
 
     def __post_init__(self) -> None:
@@ -85,6 +90,8 @@ def _engine_args(cfg: VLLMEngineConfig) -> Any:
         use_tqdm_on_load=False,  # a progress bar per weight sync is noise
         worker_extension_cls=WORKER_EXTENSION,  # reload that keeps tied weights tied
     )
+    if not (cfg.busy_wait if cfg.busy_wait is not None else not _is_cpu_platform()):
+        kwargs["distributed_executor_backend"] = EXECUTOR_QUALNAME  # replaced if ``extra`` names another
     if _is_cpu_platform():
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
@@ -398,6 +405,8 @@ class VLLMEngine:
             return
         self._closed = True
         t0 = time.monotonic()
+        quiet = _ShutdownNotice()
+        logging.getLogger(ASYNC_LLM_LOGGER).addFilter(quiet)
         try:
             await asyncio.shield(asyncio.to_thread(self._llm.shutdown))
             # AsyncLLM.__del__ would shut down a second time (and fail at interpreter exit): make that a no-op,
@@ -405,9 +414,20 @@ class VLLMEngine:
             self._llm.shutdown = _no_op
             self._llm = _ClosedLLM()
         finally:
+            logging.getLogger(ASYNC_LLM_LOGGER).removeFilter(quiet)
             if self._staged is not None:
                 shutil.rmtree(self._staged, ignore_errors=True)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
+
+
+class _ShutdownNotice(logging.Filter):
+    """Drops the "output_handler failed" traceback that vLLM logs when the engine it is shutting down dies
+    under its output task (shutdown stops EngineCore before it cancels that task). The error still reaches
+    any request left in flight."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("output_handler failed" in str(record.msg) and type(exc).__name__ == "EngineDeadError")
 
 
 def _no_op(*_args: Any, **_kwargs: Any) -> None:

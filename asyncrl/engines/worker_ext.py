@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,6 +84,17 @@ class AsyncRLWorkerExtension:
             logging.getLogger(LAYERWISE_LOGGER).addFilter(_TiedLayerNotice(names))
         return len(self._asyncrl_aliases)
 
+    def asyncrl_stop_busy_wait(self) -> bool:
+        """Switch this worker's scheduler-input queue reader to napping (see ``vllm_executor``)."""
+        from asyncrl.engines.vllm_executor import stop_busy_wait  # imports vLLM: only ever in a worker
+
+        queue = _own_input_queue()
+        return queue is not None and stop_busy_wait(queue)
+
+    def asyncrl_input_wait_kind(self) -> str:
+        """The class that waits for this worker's next scheduler message ("" if not found), for tests."""
+        return type(getattr(_own_input_queue(), "_spin_condition", None)).__name__
+
     def asyncrl_reload(self, weights_path: str) -> None:
         """Reload every weight from ``weights_path`` (a safetensors directory) and restore ties."""
         self.model_runner.reload_weights(weights_path=weights_path)
@@ -122,6 +134,21 @@ class AsyncRLWorkerExtension:
 
 
 # -- CUDA IPC: one flat buffer per update ------------------------------------------------------------------
+
+def _own_input_queue() -> Any:
+    """The worker's scheduler-input ``MessageQueue``, or None.
+
+    vLLM gives the worker no handle to its own ``WorkerProc``, so we find it on the call stack: RPCs run
+    inside ``WorkerProc.worker_busy_loop``.
+    """
+    frame = sys._getframe()
+    while frame is not None:
+        queue = getattr(frame.f_locals.get("self"), "rpc_broadcast_mq", None)
+        if queue is not None:
+            return queue
+        frame = frame.f_back
+    return None
+
 
 def pack_for_ipc(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[
         torch.Tensor, bytes]:
