@@ -263,6 +263,25 @@ def test_missing_model_path_is_a_config_error(tmp_path):
         VLLMEngineConfig(model=str(tmp_path / "nope"))
 
 
+def test_engine_busy_wait_picks_the_executor(tiny_model_dir):
+    """busy_wait=False selects asyncrl's napping executor (by name, loaded in EngineCore); True leaves vLLM's
+    choice; None naps on CPU (this machine); ``extra`` still overrides; a non-bool is a ConfigError."""
+    from asyncrl.engines.vllm_local import EXECUTOR_QUALNAME, VLLMEngineConfig, _engine_args
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    def backend(**kw):
+        return _engine_args(VLLMEngineConfig(model=str(tiny_model_dir), **kw)).distributed_executor_backend
+
+    assert issubclass(resolve_obj_by_qualname(EXECUTOR_QUALNAME), MultiprocExecutor)
+    assert backend(busy_wait=False) == EXECUTOR_QUALNAME
+    assert backend(busy_wait=None) == EXECUTOR_QUALNAME
+    assert backend(busy_wait=True) != EXECUTOR_QUALNAME
+    assert backend(busy_wait=False, extra={"distributed_executor_backend": "mp"}) == "mp"
+    with pytest.raises(ConfigError, match="VLLMEngineConfig.busy_wait"):
+        VLLMEngineConfig(model=str(tiny_model_dir), busy_wait="no")
+
+
 class SlowPublishEngine(FakeEngine):
     """Weight updates wait until ``release`` is set: a publication the test can hold in flight."""
 

@@ -54,8 +54,9 @@ class VLLMEngineConfig:
     # "auto": cuda_ipc on a CUDA GPU, files elsewhere. cuda_ipc keeps one extra copy of the weights in the
     # engine's GPU memory (the shadows) and needs the learner on the same host.
     weight_transfer: str = "auto"
-    # Whether vLLM's internal queue readers spin for a second after each message (vLLM's default) or block
-    # until notified. None: block on CPU, where the spinning takes a core from the learner; spin on GPU.
+    # Whether vLLM's internal queue readers spin for a second after each message (vLLM's default, True) or nap
+    # between checks (False, see ``vllm_executor``). None: nap on CPU, where the spinning takes a core from
+    # the learner; vLLM's own choice elsewhere.
     busy_wait: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields, passed as is
 
@@ -67,6 +68,8 @@ class VLLMEngineConfig:
         if self.weight_transfer not in ("auto", "files", "cuda_ipc"):
             raise ConfigError("VLLMEngineConfig.weight_transfer",
                               f"must be 'auto', 'files' or 'cuda_ipc', got {self.weight_transfer!r}")
+        if not (self.busy_wait is None or isinstance(self.busy_wait, bool)):
+            raise ConfigError("VLLMEngineConfig.busy_wait", f"must be None, True or False, got {self.busy_wait!r}")
         for name in ("max_model_len", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
