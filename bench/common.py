@@ -164,7 +164,7 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int = 64, kv_c
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                    help="no torch.compile / CUDA graphs (on GPU try --no-enforce-eager)")
     g.add_argument("--busy-wait", choices=("auto", "on", "off"), default="auto",
-                   help="vLLM's internal queue readers spin (on) or block (off); auto = off on CPU, on on GPU")
+                   help="vLLM's internal queue readers spin (on) or nap (off); auto = off on CPU, vLLM's own on GPU")
     g.add_argument("--engine-extra", type=json.loads, default={},
                    help='more AsyncEngineArgs fields as JSON, e.g. \'{"attention_backend": "TRITON_ATTN"}\'')
 

@@ -13,6 +13,8 @@ kernel tensors, so after a sync the output head would still be the old one. We r
 the first reload and point them at the new parameters afterwards, redoing the alias layer's post-load
 processing (on CPU that repacks the GEMM weights the head actually uses).
 
+On CPU it also switches the worker's queue reader from spinning to napping (``vllm_executor``).
+
 Loaded by name in the worker, so keep this module light: no asyncrl imports beyond the standard library.
 """
 
@@ -133,8 +135,6 @@ class AsyncRLWorkerExtension:
         return self._asyncrl_shadows
 
 
-# -- CUDA IPC: one flat buffer per update ------------------------------------------------------------------
-
 def _own_input_queue() -> Any:
     """The worker's scheduler-input ``MessageQueue``, or None.
 
@@ -149,6 +149,8 @@ def _own_input_queue() -> Any:
         frame = frame.f_back
     return None
 
+
+# -- CUDA IPC: one flat buffer per update ------------------------------------------------------------------
 
 def pack_for_ipc(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[
         torch.Tensor, bytes]:
