@@ -28,8 +28,8 @@ is what hiding all of TRL's generation would give with training as fast as TRL's
 from TRL's phase times): on a CPU where both sides are bound by training compute, targets above it need a
 cheaper learner step, not more overlap. Ours runs asynchronously
 (max staleness 2, producers keeping two learner batches of groups in flight, a keep-mode weight sync every
-second step, published in the background while the next step trains) with the learner on the profile's torch threads (``learner_threads``: 1 for demo, 2 for gen-heavy, where
-generation leaves vLLM's core idle most of the time). In the demo profile, groups
+second step, published in the background while the next step trains) with the learner on the profile's torch threads (``learner_threads``: 1 for demo, 2 for gen-heavy, the faster
+setting of each in earlier runs; ``--torch-threads`` overrides). In the demo profile, groups
 whose rewards are all equal skip the forward/backward (the same update: their advantage is 0; the share is
 reported as ``inert_groups_frac``); gen-heavy trains on every group. TRL runs with 1 torch thread and with torch's default (2), and the faster run
 is compared: on this shared 2-core machine two OpenMP threads can collapse under other load (seen: the same
