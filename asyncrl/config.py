@@ -134,10 +134,15 @@ class LearnerConfig:
     # are all equal, without KL or entropy terms). The update is the same; their tokens still count in the
     # normaliser, and they are counted as trained.
     skip_inert_groups: bool = True
+    # Mixed precision for the forward/backward ("bfloat16" or "float16" autocast; None = the model's dtype).
+    # Weights, gradients and the optimiser stay in the model's dtype; log-probs are normalised in float32.
+    autocast: str | None = None
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         _positive_ints(self, "batch_groups", "micro_batch_rollouts")
+        _require(self.autocast in (None, "bfloat16", "float16"), self, "autocast",
+                 f"must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
         _require(math.isfinite(self.lr) and self.lr > 0, self, "lr", f"must be > 0, got {self.lr!r}")
         _require(self.weight_decay >= 0, self, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
 

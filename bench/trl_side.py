@@ -69,7 +69,7 @@ def main(spec_path: str, out_path: str) -> int:
             max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0,
             loss_type="dapo", scale_rewards="group", shuffle_dataset=False, logging_steps=1, save_strategy="no",
-            report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False, seed=spec["seed"],
+            report_to="none", use_cpu=not torch.cuda.is_available(), bf16=bool(spec.get("bf16")), seed=spec["seed"],
             dataloader_num_workers=0, disable_tqdm=True,
             generation_kwargs={"min_new_tokens": spec["max_tokens"]} if spec["fixed_length"] else None,
             **extra,

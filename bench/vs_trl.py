@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profiles", nargs="*", choices=list(PROFILES), default=list(PROFILES))
     p.add_argument("--steps", type=int, help="override the steps of every profile")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="training precision on both sides: bf16 = our LearnerConfig(autocast='bfloat16') and "
+                        "TRL's bf16=True (both autocast over float32 weights)")
     p.add_argument("--lr", type=float, help="override the learning rate of every profile (both sides)")
     p.add_argument("--trl-python", type=Path, default=ROOT / ".cache" / "trl-venv" / "bin" / "python")
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv if it is missing")
@@ -211,6 +214,7 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
             queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
             learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr or prof["lr"], micro_batch_rollouts=b * n,
                                           skip_inert_groups=prof["skip_inert"],
+                                          autocast="bfloat16" if args.precision == "bf16" else None,
                                           sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep",
                                                                   overlap=True)),
         )
@@ -275,7 +279,7 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
                 "prompts": [e.prompt for e in chosen], "answers": [e.answer for e in chosen], "n": prof["n"],
                 "batch_groups": prof["batch_groups"], "max_tokens": prof["max_tokens"], "steps": steps,
                 "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"],
-                "use_vllm": False, "threads": threads or None}
+                "use_vllm": False, "threads": threads or None, "bf16": args.precision == "bf16"}
         trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", f"{name}-t{threads}")
         trl_runs.append(trl)
         if "error" in trl:

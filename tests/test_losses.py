@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, group_advantages, k3, policy_loss
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, LearnerConfig
 from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, VersionSpan
 
 E = math.e
@@ -301,7 +301,8 @@ def test_reference_kl_is_zero_against_itself(model: torch.nn.Module) -> None:
         GRPOLoss(LossConfig(kl_coef=0.05))
 
 
-def _learner_step(model: torch.nn.Module, groups: list[RolloutGroup], skip: bool) -> tuple[torch.nn.Module, dict]:
+def _learner_step(model: torch.nn.Module, groups: list[RolloutGroup], skip: bool,
+                  autocast: str | None = None) -> tuple[torch.nn.Module, dict]:
     """One real learner step (``Learner._train_step``) on a copy of ``model``."""
     from asyncrl.actors.learner import Learner
     from asyncrl.config import LearnerConfig
@@ -309,7 +310,7 @@ def _learner_step(model: torch.nn.Module, groups: list[RolloutGroup], skip: bool
     copy_ = copy.deepcopy(model).train()
     optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-2)
     learner = Learner(copy_, optimizer, GRPOLoss(LossConfig()), queue=None, weight_sync=None,  # type: ignore[arg-type]
-                      config=LearnerConfig(micro_batch_rollouts=3, skip_inert_groups=skip))
+                      config=LearnerConfig(micro_batch_rollouts=3, skip_inert_groups=skip, autocast=autocast))
     metrics = learner._train_step(groups)
     return copy_, metrics
 
@@ -327,6 +328,26 @@ def test_skipping_inert_groups_gives_the_same_step(model: torch.nn.Module, rewar
     assert m_skip["train/inert_groups_frac"] == pytest.approx(inert) and m_full["train/inert_groups_frac"] == 0
     for key in ("train/reward_mean", "train/completion_len_mean", "train/grad_norm", "loss/total"):
         assert m_skip[key] == pytest.approx(m_full[key], abs=1e-5), key
+
+
+def test_autocast_runs_the_matmuls_in_bfloat16_and_keeps_the_step(model: torch.nn.Module) -> None:
+    """``LearnerConfig(autocast="bfloat16")``: linear layers compute in bf16, the weights stay float32, and the
+    step (loss, gradient norm) matches the float32 one to bf16 precision."""
+    groups = [_group("a", model, [1.0, 0.0, 0.5], -0.1), _group("b", model, [0.0, 1.0], 0.1)]
+    seen: list[torch.dtype] = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    hook = linear.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    try:
+        mixed, m_mixed = _learner_step(model, groups, skip=False, autocast="bfloat16")
+    finally:
+        hook.remove()
+    full, m_full = _learner_step(model, groups, skip=False)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
+    for key in ("loss/total", "train/grad_norm"):
+        assert m_mixed[key] == pytest.approx(m_full[key], rel=0.05, abs=1e-3), key
+    with pytest.raises(ConfigError, match="LearnerConfig.autocast"):
+        LearnerConfig(autocast="int8")
 
 
 def test_kl_or_entropy_terms_make_uniform_groups_count(model: torch.nn.Module) -> None:

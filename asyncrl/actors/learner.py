@@ -8,6 +8,7 @@ only once a publication fully succeeded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -137,7 +138,8 @@ class Learner:
         sums: dict[str, float] = {}
         batch_loss = 0.0  # the loss of the whole batch, inert groups contributing 0
         for chunk in _chunks(active, self.config.micro_batch_rollouts) if active else []:
-            out = self.loss.compute(self.model, chunk)
+            with self._precision():
+                out = self.loss.compute(self.model, chunk)
             # Weight each micro-batch by its share of tokens so the step matches one full-batch pass.
             weighted = out.loss * (out.num_tokens / total_tokens)
             weighted.backward()
@@ -156,6 +158,12 @@ class Learner:
         sums["train/grad_norm"] = grad_norm
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
+
+    def _precision(self) -> contextlib.AbstractContextManager[object]:
+        if self.config.autocast is None:
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=getattr(torch, self.config.autocast))
 
     def _inert(self, group: RolloutGroup) -> bool:
         return self.config.skip_inert_groups and isinstance(self.loss, SkipsInertGroups) and self.loss.inert(group)
