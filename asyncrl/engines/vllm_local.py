@@ -93,9 +93,10 @@ def _engine_args(cfg: VLLMEngineConfig) -> Any:
         use_tqdm_on_load=False,  # a progress bar per weight sync is noise
         worker_extension_cls=WORKER_EXTENSION,  # reload that keeps tied weights tied
     )
-    if not (cfg.busy_wait if cfg.busy_wait is not None else not _is_cpu_platform()):
+    cpu = _is_cpu_platform()
+    if (cpu if cfg.busy_wait is None else not cfg.busy_wait):  # nap: asyncrl's executor
         kwargs["distributed_executor_backend"] = EXECUTOR_QUALNAME  # replaced if ``extra`` names another
-    if _is_cpu_platform():
+    if cpu:
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
     else:
