@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from dataclasses import dataclass, field, fields
 
 from asyncrl.types import PauseMode
@@ -137,10 +138,19 @@ class LearnerConfig:
     # Mixed precision for the forward/backward ("bfloat16" or "float16" autocast; None = the model's dtype).
     # Weights, gradients and the optimiser stay in the model's dtype; log-probs are normalised in float32.
     autocast: str | None = None
+    # Niceness added to the learner's training thread (Linux; 0-19). On a CPU host where training shares cores
+    # with vLLM, > 0 lets the engine's processes and the event loop preempt it, so generation keeps its pace
+    # and training runs on what is left (bench/contention.py: generation 0.77 -> 0.85 of its solo speed at 19).
+    # Torch's intra-op worker threads are not the training thread: use 1 torch thread for it to cover the step.
+    nice: int = 0
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
         _positive_ints(self, "batch_groups", "micro_batch_rollouts")
+        _require(type(self.nice) is int and 0 <= self.nice <= 19, self, "nice",
+                 f"must be an integer in 0..19, got {self.nice!r}")
+        _require(self.nice == 0 or sys.platform.startswith("linux"), self, "nice",
+                 f"needs Linux (per-thread niceness), this is {sys.platform}")
         _require(self.autocast in (None, "bfloat16", "float16"), self, "autocast",
                  f"must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
         _require(math.isfinite(self.lr) and self.lr > 0, self, "lr", f"must be > 0, got {self.lr!r}")

@@ -30,7 +30,9 @@ onto the machine, which on 2 cores can be below ``ideal``.
 
 On a 2-core CPU vLLM's worker is bound to core 0 and the learner shares core 1 with vLLM's front end and
 the event loop; ``--torch-threads 1`` (default) keeps the learner's matmuls off the engine's core (with 2
-threads each backward would steal core 0 from generation, slowing both). Other load on the machine shifts
+threads each backward would steal core 0 from generation, slowing both), and the learner's thread runs at
+nice 19 (``--learner-nice``) so vLLM's processes and the event loop preempt it. Even so, overlapped phases
+run below their solo speed here (``bench/contention.py``), which the ideal does not allow for. Other load on the machine shifts
 every figure; the load average is in the result file.
 """
 
@@ -66,10 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--torch-threads", type=int, default=1, help="learner threads (CPU)")
+    p.add_argument("--learner-nice", type=int, default=-1,
+                   help="LearnerConfig.nice, both modes; -1 = 19 on CPU (generation keeps its pace beside "
+                        "training, bench/contention.py), 0 on GPU")
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_flags(p, max_num_seqs=16)
     args = p.parse_args(argv)
     args.steps = args.steps or (14 if args.quick else 24)
+    if args.learner_nice < 0:
+        args.learner_nice = 0 if common.on_gpu() else 19
     args.repeats = args.repeats or (1 if args.quick else 2)
     if args.steps <= args.warm_steps + 1:
         p.error("--steps must exceed --warm-steps + 1")
@@ -89,7 +96,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
         # Every group is trained on (a random model earns no reward, so skipping inert groups would remove
         # the training phase this benchmark overlaps); async publishes in the background.
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
-                                      skip_inert_groups=False,
+                                      skip_inert_groups=False, nice=args.learner_nice,
                                       sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous)),
     )
 

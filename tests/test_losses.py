@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
+import os
+import sys
+import threading
 
 import pytest
 import torch
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, group_advantages, k3, policy_loss
-from asyncrl.config import ConfigError, LearnerConfig
+from asyncrl.config import ConfigError, LearnerConfig, SyncConfig
 from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, VersionSpan
 
 E = math.e
@@ -361,3 +365,49 @@ def test_a_batch_of_inert_groups_still_reports_its_loss(model: torch.nn.Module) 
     groups = [_group("a", model, [1.0, 1.0], 0.0), _group("b", model, [0.0, 0.0, 0.0], 0.0)]
     _, metrics = _learner_step(model, groups, skip=True)
     assert metrics["loss/policy"] == metrics["loss/total"] == 0.0 and metrics["train/inert_groups_frac"] == 1.0
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or not sys.platform.startswith("linux"),
+                    reason="per-thread niceness is Linux's")
+def test_the_step_runs_in_the_learners_own_thread_at_its_niceness(model: torch.nn.Module) -> None:
+    """``LearnerConfig(nice=N)``: every step runs in one thread of the learner's, N above the process's
+    niceness; the event loop's thread keeps its own."""
+    from asyncrl.actors.learner import Learner
+
+    groups = [_group("a", model, [1.0, 0.0], -0.1)]
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[tuple[int, int]] = []
+
+    class Recording(GRPOLoss):
+        def compute(self, model_, groups_):  # type: ignore[no-untyped-def]
+            tid = threading.get_native_id()
+            seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+            return super().compute(model_, groups_)
+
+    async def two_steps(nice: int) -> None:
+        copy_ = copy.deepcopy(model).train()
+        learner = Learner(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-3), Recording(LossConfig()),
+                          queue=_CountingQueue(), weight_sync=None,  # type: ignore[arg-type]
+                          config=LearnerConfig(nice=nice, sync=SyncConfig(every=10)))
+        for _ in range(2):
+            await learner.train_and_publish(groups)
+
+    asyncio.run(two_steps(5))
+    assert len({tid for tid, _ in seen}) == 1 and seen[0][0] != threading.get_native_id()
+    assert [n for _, n in seen] == [min(19, base + 5)] * 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # only the learner's thread
+    seen.clear()
+    asyncio.run(two_steps(0))
+    assert [n for _, n in seen] == [base] * 2
+    for bad in (-1, 20, 1.5):
+        with pytest.raises(ConfigError, match="LearnerConfig.nice"):
+            LearnerConfig(nice=bad)  # type: ignore[arg-type]
+
+
+class _CountingQueue:
+    """What ``Learner.train_and_publish`` needs of a queue: a ledger that counts trained groups."""
+
+    def __init__(self) -> None:
+        from asyncrl.ledger import GroupLedger
+
+        self.ledger = GroupLedger()

@@ -1,7 +1,8 @@
 """The learner actor: batches of groups -> loss -> optimiser step -> (every ``sync.every`` steps) publish.
 
-The forward/backward pass runs in a worker thread so the event loop keeps streaming rollouts while the
-model trains. The learner owns the weight version: it starts at ``version`` and becomes ``version + 1``
+The forward/backward pass runs in the learner's own thread so the event loop keeps streaming rollouts while
+the model trains (one thread: the same thread-local torch state every step, and a niceness that applies to
+training alone). The learner owns the weight version: it starts at ``version`` and becomes ``version + 1``
 only once a publication fully succeeded.
 """
 
@@ -10,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +32,7 @@ from asyncrl.types import DropReason, RolloutGroup, SyncTiming
 log = logging.getLogger(__name__)
 
 StepHook = Callable[[int, dict[str, float]], "Awaitable[None] | None"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +62,8 @@ class Learner:
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
+        # The training thread, made on first use. Dropping the learner lets its idle thread exit.
+        self._thread: ThreadPoolExecutor | None = None
 
     async def run(self, steps: int) -> None:
         """Train until ``self.step == steps``; the last publication has landed when this returns."""
@@ -90,7 +98,7 @@ class Learner:
         staleness = [g.staleness(self.policy_version) for g in batch]
         t0 = time.perf_counter()
         try:
-            metrics = await asyncio.to_thread(self._train_step, batch)
+            metrics = await self._in_thread(self._train_step, batch)
         except BaseException:
             self.queue.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
             raise
@@ -120,7 +128,7 @@ class Learner:
         # At most one publication in flight. The next optimiser step changes the parameters in place, so
         # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
         previous = await self.flush()
-        snapshot = await asyncio.to_thread(_snapshot, self.model)  # a copy of every weight: off the event loop
+        snapshot = await self._in_thread(_snapshot, self.model)  # a copy of every weight: off the event loop
         self._publishing = asyncio.create_task(self._publish(snapshot), name="learner-publish")
         return previous
 
@@ -128,6 +136,12 @@ class Learner:
         timing = await self.weight_sync.publish(tensors, self.version + 1)
         self.version += 1
         return timing
+
+    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-learner", initializer=_lower_priority,
+                                              initargs=(self.config.nice,))
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
         self.model.train()
@@ -194,6 +208,13 @@ class Learner:
             if asyncio.iscoroutine(maybe):
                 await maybe
         self.monitor.log(result.step, metrics)
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux: a thread id names just that thread)."""
+    if nice:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
