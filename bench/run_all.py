@@ -2,7 +2,7 @@
 
     python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
 
-Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, vs_trl, learning (when
+Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, contention, vs_trl, learning (when
 ``bench/learning.py`` exists). ``--quick`` is passed to each; vs_trl also gets ``--setup-trl`` (it builds TRL's
 venv in ``.cache/trl-venv`` when missing). Each writes ``bench/results/<name>_<device>.json``;
 a benchmark that fails is reported and the others still run. Exit status 1 if any failed.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "vs_trl", "learning")
+ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "contention", "vs_trl", "learning")
 EXTRA = {"vs_trl": ["--setup-trl"]}  # on a fresh machine, vs_trl creates TRL's own venv first
 
 
