@@ -32,8 +32,8 @@ On a 2-core CPU vLLM's worker is bound to core 0 and the learner shares core 1 w
 the event loop; ``--torch-threads 1`` (default) keeps the learner's matmuls off the engine's core (with 2
 threads each backward would steal core 0 from generation, slowing both), and the learner's thread runs at
 nice 19 (``--learner-nice``) so vLLM's processes and the event loop preempt it. Even so, overlapped phases
-run below their solo speed here (``bench/contention.py``), which the ideal does not allow for. Other load on the machine shifts
-every figure; the load average is in the result file.
+run below their solo speed here (``bench/contention.py``), which the ideal does not allow for. Other load on
+the machine shifts every figure; the load average is in the result file.
 """
 
 from __future__ import annotations

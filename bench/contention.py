@@ -65,18 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class TrainingLoop:
-    """Forward + backward + AdamW steps on fixed random tokens in a thread until stopped."""
+    """Forward + backward + AdamW steps of ``model`` on fixed random tokens in a thread until stopped (or
+    ``max_steps``), the thread ``nice`` nicer than the process, as ``LearnerConfig(nice=...)`` makes it."""
 
-    def __init__(self, model_dir: Path, nice: int = 0, max_steps: int | None = None) -> None:
-        self.model_dir, self.nice, self.max_steps = model_dir, nice, max_steps
+    def __init__(self, model: Any, nice: int = 0, max_steps: int | None = None) -> None:
+        self.model, self.nice, self.max_steps = model, nice, max_steps
         self.steps: list[float] = []
         self._stop = threading.Event()
-        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="contention-learner", daemon=True)
 
     def __enter__(self) -> TrainingLoop:
         self._thread.start()
-        self._ready.wait()
         return self
 
     def join(self) -> None:
@@ -90,15 +89,14 @@ class TrainingLoop:
     def _run(self) -> None:
         import torch
 
-        if self.nice:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # this thread only
-        model = common.load_learner(self.model_dir, dtype="float32")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
-        tokens = torch.randint(0, model.config.vocab_size, (64, 80), generator=torch.Generator().manual_seed(0))
-        self._ready.set()
+        from asyncrl.actors.learner import lower_thread_priority
+
+        lower_thread_priority(self.nice)
+        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-7)
+        tokens = torch.randint(0, self.model.config.vocab_size, (64, 80), generator=torch.Generator().manual_seed(0))
         while not self._stop.is_set() and (self.max_steps is None or len(self.steps) < self.max_steps):
             t0 = time.perf_counter()
-            model(input_ids=tokens).logits.float().logsumexp(-1).mean().backward()
+            self.model(input_ids=tokens).logits.float().logsumexp(-1).mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             self.steps.append(time.perf_counter() - t0)
@@ -133,9 +131,9 @@ async def beside_stream(engine: Any, prompts: list[Any], groups: int, tag: str, 
         await proc.wait()
 
 
-def learner_solo_step_s(model_dir: Path, steps: int = 6) -> float:
+def learner_solo_step_s(model: Any, steps: int = 6) -> float:
     """The training loop's step time with nothing else running (vLLM idle)."""
-    with TrainingLoop(model_dir, max_steps=steps) as loop:
+    with TrainingLoop(model, max_steps=steps) as loop:
         loop.join()
     return statistics.median(loop.steps[1:])
 
@@ -146,8 +144,9 @@ def worker_core() -> int | None:
 
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.name() == "VLLM::Worker" and len(child.cpu_affinity()) == 1:
-                return child.cpu_affinity()[0]
+            cores = child.cpu_affinity() if child.name() == "VLLM::Worker" else []
+            if len(cores) == 1:
+                return cores[0]
         except psutil.Error:
             continue
     return None
@@ -159,6 +158,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     from asyncrl.engines.vllm_local import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = await asyncio.to_thread(common.load_learner, model_dir, "float32")  # once: every loop trains it
     prompts = [p for p, _ in zip(common.arithmetic_prompts(tok, args.seed), range(64))]
     engine = await VLLMEngine.start(common.engine_config(args, model_dir, 128, args.seed))
     rates: dict[str, list[float]] = {"alone": [], **{s: [] for s in SETTINGS}}
@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         for r in range(args.rounds):
             rates["alone"].append(await generate(engine, prompts, args.groups, f"alone-{r}"))
             for nice, name in ((0, "learner_thread"), (19, "learner_thread_nice19")):
-                with TrainingLoop(model_dir, nice) as loop:
+                with TrainingLoop(model, nice) as loop:
                     rates[name].append(await generate(engine, prompts, args.groups, f"{name}-{r}"))
                 if nice == 0:
                     beside_steps += loop.steps[1:]
@@ -179,7 +179,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             print(f"  round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()) + " tok/s", flush=True)
     finally:
         await engine.close()
-    solo = await asyncio.to_thread(learner_solo_step_s, model_dir)
+    solo = await asyncio.to_thread(learner_solo_step_s, model)
     alone = statistics.mean(rates["alone"])
     out: dict[str, Any] = {"tokens_per_s": rates, "worker_core": core, "stream_core": other}
     for name in SETTINGS:

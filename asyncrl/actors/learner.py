@@ -139,8 +139,8 @@ class Learner:
 
     async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-learner", initializer=_lower_priority,
-                                              initargs=(self.config.nice,))
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-learner",
+                                              initializer=lower_thread_priority, initargs=(self.config.nice,))
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
@@ -210,7 +210,7 @@ class Learner:
         self.monitor.log(result.step, metrics)
 
 
-def _lower_priority(nice: int) -> None:
+def lower_thread_priority(nice: int) -> None:
     """Raise the calling thread's niceness by ``nice`` (Linux: a thread id names just that thread)."""
     if nice:
         tid = threading.get_native_id()
