@@ -141,6 +141,17 @@ def _flowing(engine: RemoteVLLMEngine, requests: int) -> Callable[[], bool]:
     return cond
 
 
+async def _until_flowing(engine: RemoteVLLMEngine, task: asyncio.Task, requests: int = 4) -> bool:
+    """Wait until ``requests`` of ``task``'s streams flow (True), or until ``task`` ends first (False): a
+    generation that finished between two checks, or failed (its error is raised here, not a timeout)."""
+    flowing = _flowing(engine, requests)
+    await _until(lambda: task.done() or flowing())
+    if task.done():
+        task.result()
+        return False
+    return True
+
+
 def _check_sample(s: Sample) -> None:
     assert len(s.token_ids) == len(s.logprobs)
     assert all(lp <= 0.0 for lp in s.logprobs)
@@ -241,7 +252,8 @@ async def test_generate_logprobs_and_token_ids(engine: RemoteVLLMEngine, hf_mode
 async def test_pause_abort_cuts_samples(engine: RemoteVLLMEngine) -> None:
     for attempt in range(ATTEMPTS):
         task = asyncio.create_task(engine.generate(PROMPT, LONG, f"abort{attempt}"))
-        await _until(_flowing(engine, 4))
+        if not await _until_flowing(engine, task):
+            continue  # done before the pause could cut anything: another attempt
         await engine.pause(PauseMode.ABORT, clear_cache=True)
         try:
             samples = await asyncio.wait_for(task, 10)  # cut requests return while the server is paused
@@ -273,7 +285,8 @@ async def _keep_pause_round(engine: RemoteVLLMEngine, base: dict[str, torch.Tens
     """One keep pause with a version bump (same weights) inside it; True if some sample ran across it."""
     old = engine.version
     task = asyncio.create_task(engine.generate(PROMPT, LONG, request_id))
-    await _until(_flowing(engine, 4))
+    if not await _until_flowing(engine, task):
+        return False  # done before the pause: nothing could run across it
     await engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
         await asyncio.sleep(1.0)  # anything sampled before the pause has arrived by now
@@ -301,7 +314,7 @@ async def _keep_pause_round(engine: RemoteVLLMEngine, base: dict[str, torch.Tens
 @aio
 async def test_pause_wait_drains_and_holds_new_requests(engine: RemoteVLLMEngine) -> None:
     task = asyncio.create_task(engine.generate(PROMPT, LONG, "wait"))
-    await _until(_flowing(engine, 4))
+    await _until_flowing(engine, task)
     await engine.pause(PauseMode.WAIT, clear_cache=True)
     try:
         samples = await asyncio.wait_for(task, 10)  # drained before the pause returned
