@@ -25,13 +25,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/grpo_offpolicy.py $(ARGS)
+	$(PY) -m examples.grpo_offpolicy $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	$(PY) bench/run_all.py $(ARGS)
+	$(PY) -m bench.run_all $(ARGS)
 
 soak: setup
 	$(PY) -m pytest -m soak $(ARGS)

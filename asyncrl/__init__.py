@@ -1,28 +1,36 @@
 """asyncrl: asyncio-native asynchronous RL for language models.
 
 vLLM producers stream version-tagged rollouts into a bounded queue; an async learner trains on them and
-publishes new weights into the engine (pause -> update -> resume).
+publishes new weights into the engine (prepare -> pause -> load -> resume).
 """
 
-from asyncrl.actors import Learner, Producer, WeightSync
+from asyncrl.actors import Learner, Producer, RewardFn, WeightSync
 from asyncrl.config import (
-    AbortPolicy, ConfigError, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
+    AbortPolicy, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig, RewardExecution,
     SamplingConfig, SyncConfig,
 )
+from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
-from asyncrl.ledger import GroupLedger
-from asyncrl.pipeline import Pipeline, RunStats
-from asyncrl.queues import RolloutQueue
+from asyncrl.errors import (
+    ConfigError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected, QueueClosed,
+    WeightUpdateError,
+)
+from asyncrl.pipeline import Pipeline, RunResult
+from asyncrl.queues import RolloutReceiver, RolloutSender, create_rollout_queue
+from asyncrl.recipes import grpo_pipeline
 from asyncrl.runtime import run
 from asyncrl.types import (
     DropReason, FinishReason, PauseMode, Prompt, Rollout, RolloutGroup, Sample, SyncTiming, VersionSpan,
 )
+from asyncrl.versions import VersionClock
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "AbortPolicy", "ConfigError", "DropReason", "FinishReason", "GroupLedger", "InvalidGroupPolicy", "Learner",
-    "LearnerConfig", "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt",
-    "PromptSource", "QueueConfig", "Rollout", "RolloutGroup", "RolloutQueue", "RunStats", "Sample",
-    "SamplingConfig", "SyncConfig", "SyncTiming", "VersionSpan", "WeightSync", "run",
+    "AbortPolicy", "ConfigError", "DropReason", "EndOfRollouts", "EngineError", "FinishReason", "GroupCounters",
+    "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
+    "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",
+    "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "Rollout", "RolloutGroup", "RolloutReceiver",
+    "RolloutSender", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming", "VersionClock",
+    "VersionSpan", "WeightSync", "WeightUpdateError", "grpo_pipeline", "create_rollout_queue", "run",
 ]

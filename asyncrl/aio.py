@@ -1,10 +1,14 @@
-"""Small asyncio helpers."""
+"""Small asyncio helpers for structured concurrency and cancellation."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def first_cause(group: BaseExceptionGroup) -> BaseException:
@@ -34,3 +38,49 @@ async def together(*aws: Awaitable[Any]) -> list[Any]:
     except BaseExceptionGroup as group:
         raise first_cause(group) from group
     return [t.result() for t in tasks]
+
+
+async def settle(aw: Awaitable[T], what: str = "operation") -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile, then let the cancellation through.
+
+    For steps that must never stop half-way (loading weights and committing their version, resuming the
+    engine): the caller's ``CancelledError`` is delayed until ``aw`` is done, never swallowed. If ``aw`` failed
+    while the caller was being cancelled, the cancellation wins and the failure is logged and chained."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() and task.cancelled():
+                raise  # ``aw`` itself was cancelled (not the caller): nothing more to wait for
+            cancelled = True
+        except BaseException:
+            break  # ``aw`` failed; its error is raised below
+    if not cancelled:
+        return task.result()
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.warning("%s failed while its caller was being cancelled: %r", what, error)
+    raise asyncio.CancelledError(f"cancelled during {what} (completed first)") from error
+
+
+async def bounded(aw: Awaitable[T], timeout_s: float, what: str) -> T | None:
+    """Await ``aw`` for at most ``timeout_s``, even if the caller is cancelled meanwhile (shutdown paths: a
+    cancellation must not cut a close short, and a stuck close must not hang the caller). On timeout ``aw`` is
+    cancelled, the fact logged, and None returned; a cancellation of the caller is re-raised at the end."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(aw)
+    deadline = loop.time() + timeout_s
+    cancelled = False
+    while not task.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({task}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    if not task.done():
+        log.error("%s did not finish within %.1fs; abandoned", what, timeout_s)
+        task.cancel()
+    if cancelled:
+        raise asyncio.CancelledError(f"cancelled during {what} (waited for it first)")
+    return task.result() if task.done() and not task.cancelled() else None

@@ -7,15 +7,11 @@ import math
 import sys
 from dataclasses import dataclass, field, fields
 
+from asyncrl.errors import ConfigError
 from asyncrl.types import PauseMode
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. ``field`` names it as ``Section.field``."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+__all__ = ["AbortPolicy", "ConfigError", "InvalidGroupPolicy", "LearnerConfig", "PipelineConfig", "ProducerConfig",
+           "QueueConfig", "RewardExecution", "SamplingConfig", "SyncConfig", "describe"]
 
 
 def _require(ok: bool, owner: object, name: str, message: str) -> None:
@@ -32,6 +28,10 @@ def _positive_ints(obj: object, *names: str) -> None:
         )
 
 
+def _positive_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def _coerce_enum(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
     value = getattr(obj, name)
     try:
@@ -46,6 +46,13 @@ class AbortPolicy(str, enum.Enum):
 
     RESUBMIT = "resubmit"  # sample them again under the new weights; the group is kept
     DROP = "drop"  # drop the whole group, counted as ``DropReason.ABORTED``
+
+
+class RewardExecution(str, enum.Enum):
+    """Where a synchronous reward function runs (an ``async`` one always runs on the event loop)."""
+
+    THREAD = "thread"  # in a worker thread, so a slow reward never stalls the event loop
+    INLINE = "inline"  # on the event loop: only for rewards that take microseconds (no thread hop per group)
 
 
 class InvalidGroupPolicy(str, enum.Enum):
@@ -82,11 +89,22 @@ class ProducerConfig:
     on_abort: AbortPolicy = AbortPolicy.RESUBMIT
     on_invalid: InvalidGroupPolicy = InvalidGroupPolicy.DROP  # bad prompts, rewards that raise or are NaN
     max_resubmits: int = 3  # abort-cut samples are sampled again at most this many times, then dropped
+    # Every reward call (a group's samples, sync or async) is bounded by this; a timed-out group is dropped and
+    # counted as ``reward_timeout``. A synchronous call that overruns keeps its thread until it returns.
+    reward_timeout_s: float = 60.0
+    sync_rewards: RewardExecution = RewardExecution.THREAD
+    reward_threads: int = 4  # synchronous reward calls running at once (worker threads) per producer
+    # A producer whose last this-many groups were all dropped as invalid (bad prompt or reward) stops the run
+    # with ``NoProgressError``: nothing trainable is coming.
+    max_consecutive_drops: int = 100
 
     def __post_init__(self) -> None:
-        _positive_ints(self, "max_inflight_groups")
+        _positive_ints(self, "max_inflight_groups", "reward_threads", "max_consecutive_drops")
         _coerce_enum(self, "on_abort", AbortPolicy)
         _coerce_enum(self, "on_invalid", InvalidGroupPolicy)
+        _coerce_enum(self, "sync_rewards", RewardExecution)
+        _require(_positive_number(self.reward_timeout_s), self, "reward_timeout_s",
+                 f"must be a positive number of seconds, got {self.reward_timeout_s!r}")
         _require(isinstance(self.max_resubmits, int) and self.max_resubmits >= 0, self, "max_resubmits",
                  f"must be a non-negative integer, got {self.max_resubmits!r}")
 
@@ -143,6 +161,9 @@ class LearnerConfig:
     # and training runs on what is left (bench/contention.py: generation 0.77 -> 0.85 of its solo speed at 19).
     # Torch's intra-op worker threads are not the training thread: use 1 torch thread for it to cover the step.
     nice: int = 0
+    # A learner that waits this long for a batch fails with ``NoProgressError`` naming what it saw (drops by
+    # reason, queue depth); ``math.inf`` waits forever.
+    stall_timeout_s: float = 600.0
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
@@ -155,6 +176,8 @@ class LearnerConfig:
                  f"must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
         _require(math.isfinite(self.lr) and self.lr > 0, self, "lr", f"must be > 0, got {self.lr!r}")
         _require(self.weight_decay >= 0, self, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        _require(isinstance(self.stall_timeout_s, int | float) and self.stall_timeout_s > 0, self,
+                 "stall_timeout_s", f"must be > 0 (math.inf: no limit), got {self.stall_timeout_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +192,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         _positive_ints(self, "num_producers")
-        _require(self.shutdown_timeout_s > 0, self, "shutdown_timeout_s", "must be > 0")
+        _require(_positive_number(self.shutdown_timeout_s), self, "shutdown_timeout_s", "must be > 0")
         _require(
             self.learner.batch_groups <= self.queue.capacity, self, "learner.batch_groups",
             f"a batch of {self.learner.batch_groups} groups cannot fit a queue of capacity "

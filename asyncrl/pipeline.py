@@ -1,9 +1,10 @@
-"""One task group owning producers, the engine watchdog and the learner.
+"""One task group owning the producers, the engine watchdog and the learner.
 
-``await Pipeline(...).run(steps)`` returns ``RunStats`` once the learner has taken ``steps`` optimiser
-steps. An exception in any part cancels the others and is re-raised; cancelling ``run()`` does the same.
-Either way the queue is closed (unused groups counted), the engine is resumed if a sync was cut short, and
-the engine is shut down (bounded by ``PipelineConfig.shutdown_timeout_s``).
+``await Pipeline(...).run(steps)`` returns a ``RunResult`` once the learner has taken ``steps`` optimiser steps
+(``steps=None``: until the prompts run out and the queue is drained). An exception in any part cancels the
+others and is re-raised; cancelling ``run()`` does the same. Either way the queue's receiving end is closed
+(unused groups counted), a publication cut short has resumed the engine and left the versions in agreement,
+and the engine is shut down (bounded by ``PipelineConfig.shutdown_timeout_s``) unless the caller owns it.
 """
 
 from __future__ import annotations
@@ -15,32 +16,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncrl.actors.learner import Learner
-from asyncrl.aio import first_cause
 from asyncrl.actors.producer import Producer
+from asyncrl.aio import bounded, first_cause
 from asyncrl.config import PipelineConfig
-from asyncrl.engines.base import Engine
-from asyncrl.ledger import GroupLedger
-from asyncrl.queues.rollout_queue import RolloutQueue
+from asyncrl.engines.protocols import Lifecycle
+from asyncrl.errors import NoProgressError
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class RunStats:
+class RunResult:
     """What a run did. Times in seconds."""
 
     steps: int = 0  # optimiser steps taken
-    version: int = 0  # final weight version
+    version: int = 0  # final weight version (served by the engines)
     wall_s: float = 0.0
     groups_trained: int = 0
     samples_trained: int = 0
-    tokens_generated: int = 0  # completion tokens in groups put into the queue
+    tokens_generated: int = 0  # completion tokens in groups sent to the queue
     dropped: dict[str, int] = field(default_factory=dict)  # drop reason -> groups
     unaccounted: int = 0  # must be 0: queued groups neither trained nor dropped
     gen_s: float = 0.0  # synchronous mode: time spent generating
     train_s: float = 0.0  # time spent in optimiser steps (both modes)
-    sync_s: float = 0.0  # time spent publishing weights (both modes)
+    sync_s: float = 0.0  # time generation was paused for publications (both modes)
 
     @property
     def samples_per_s(self) -> float:
@@ -48,32 +48,38 @@ class RunStats:
 
 
 class Pipeline:
-    """Wires producers -> queue -> learner -> (weights) -> engine, under one task group."""
+    """Wires producers -> queue -> learner -> (weights) -> engine, under one task group.
 
-    def __init__(self, engine: Engine, producers: Sequence[Producer], queue: RolloutQueue, learner: Learner,
+    Every producer's sink must be its own ``RolloutSender`` of the learner's queue (or a wrapper with the same
+    ``send`` and ``close``): the pipeline closes it when that producer ends, and the queue ends once all of them
+    have."""
+
+    def __init__(self, engine: Lifecycle, producers: Sequence[Producer], learner: Learner,
                  config: PipelineConfig | None = None, *, close_engine: bool = True,
                  health_interval_s: float = 1.0) -> None:
         if not producers:
             raise ValueError("Pipeline needs at least one producer")
+        for p in producers:
+            if not callable(getattr(p.sink, "close", None)):
+                raise ValueError(f"producer {p.name}'s sink must be a RolloutSender of the pipeline's queue")
         self.engine = engine
         self.producers = list(producers)
-        self.queue = queue
+        self.receiver = learner.receiver
         self.learner = learner
         self.config = config or PipelineConfig()
         self.close_engine = close_engine  # shut the engine down when run() ends
         self.health_interval_s = health_interval_s  # engine liveness check period
-        self.stats = RunStats()
+        self.result = RunResult()
 
-    async def run(self, steps: int) -> RunStats:
+    async def run(self, steps: int | None) -> RunResult:
         """Asynchronous mode: producers stream while the learner trains."""
-        if steps <= 0:
-            raise ValueError(f"steps must be positive, got {steps}")
+        if steps is not None and steps <= 0:
+            raise ValueError(f"steps must be positive (or None: until the data ends), got {steps}")
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:
-                producers = [tg.create_task(p.run(), name=p.name) for p in self.producers]
-                helpers = [*producers, tg.create_task(self._finish_when_done(producers), name="data-end"),
-                           tg.create_task(self._watch_engine(), name="engine-watchdog")]
+                helpers = [tg.create_task(self._produce(p), name=p.name) for p in self.producers]
+                helpers.append(tg.create_task(self._watch_engine(), name="engine-watchdog"))
                 await tg.create_task(self.learner.run(steps), name="learner")
                 for task in helpers:  # the learner is done: everything else stops now
                     task.cancel()
@@ -81,9 +87,9 @@ class Pipeline:
             raise first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
-        return self.stats
+        return self.result
 
-    async def run_synchronous(self, steps: int) -> RunStats:
+    async def run_synchronous(self, steps: int) -> RunResult:
         """Baseline mode: generate a batch, then train on it while generation is idle, then publish."""
         t0 = time.perf_counter()
         producer = self.producers[0]
@@ -96,37 +102,39 @@ class Pipeline:
             raise first_cause(group) from group
         finally:
             await self._shutdown(time.perf_counter() - t0)
-        return self.stats
+        return self.result
 
-    async def _finish_when_done(self, producers: list[asyncio.Task[None]]) -> None:
-        # When every producer has run out of prompts, let the learner drain the queue and stop.
-        await asyncio.wait(producers)
-        await self.queue.finish()
+    async def _produce(self, producer: Producer) -> None:
+        try:
+            await producer.run()
+        finally:  # this producer is done (or failed): the queue ends once every producer is
+            producer.sink.close()  # type: ignore[attr-defined]
 
     async def _sync_loop(self, producer: Producer, steps: int) -> None:
         size = self.learner.config.batch_groups
         while self.learner.step < steps:
             t_gen = time.perf_counter()
             batch = await self._generate_batch(producer, size)
-            self.stats.gen_s += time.perf_counter() - t_gen
+            self.result.gen_s += time.perf_counter() - t_gen
             if not batch:
-                raise RuntimeError("prompt source exhausted before the requested steps were taken")
+                raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps; group "
+                                      f"drops: {self.receiver.counters.describe_drops()}")
             result = await self.learner.train_and_publish(batch)
             await self.learner.flush()  # synchronous mode: the next batch is generated with these weights
             await self.learner.report(result)
 
     async def _generate_batch(self, producer: Producer, size: int) -> list[RolloutGroup]:
         """Produce groups concurrently until ``size`` valid ones exist (drops are replaced)."""
-        batch: list[RolloutGroup] = []
-        while len(batch) < size:
-            items = [item for _ in range(size - len(batch)) if (item := await producer.prompts.next())]
+        made = 0
+        while made < size:
+            items = [item for _ in range(size - made) if (item := await producer.prompts.next())]
             if not items:
                 break
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(producer.produce_one(i, p)) for i, p in items]
-            batch.extend(g for t in tasks if (g := t.result()) is not None)
-        # produce_one put the groups into the queue too; take them out so the books balance.
-        return await self.queue.get_batch(len(batch), self.learner.policy_version) if batch else []
+            made += sum(t.result() is not None for t in tasks)
+        # produce_one sent the groups into the queue; take them out so the books balance.
+        return await self.receiver.receive_batch(made) if made else []
 
     async def _watch_engine(self) -> None:
         # Polling is the only signal from an engine process that dies silently.
@@ -135,36 +143,21 @@ class Pipeline:
             await asyncio.sleep(self.health_interval_s)
 
     async def _shutdown(self, wall_s: float) -> None:
-        await asyncio.shield(self.queue.close())
-        self._collect_stats(wall_s)
+        self.receiver.close()
+        self._collect(wall_s)
         if self.close_engine:
-            try:
-                async with asyncio.timeout(self.config.shutdown_timeout_s):
-                    await asyncio.shield(self.engine.close())
-            except TimeoutError:
-                log.error("engine %s did not shut down within %.0fs", self.engine.name,
-                          self.config.shutdown_timeout_s)
+            await bounded(self.engine.close(), self.config.shutdown_timeout_s, f"closing engine {self.engine.name}")
 
-    def _collect_stats(self, wall_s: float) -> None:
-        ledger = self._merged_ledger()
-        s = self.stats
-        s.wall_s = wall_s
-        s.steps = self.learner.step
-        s.version = self.learner.version
-        s.groups_trained = ledger.trained
-        s.samples_trained = self.learner.samples_trained
-        s.tokens_generated = sum(p.stats.tokens for p in self.producers)
-        s.dropped = {r.value: c for r, c in ledger.dropped.items()}
-        s.unaccounted = self.queue.ledger.unaccounted(self.queue.depth)
-        s.train_s = self.learner.train_s
-        s.sync_s = self.learner.weight_sync.total_s
-
-    def _merged_ledger(self) -> GroupLedger:
-        merged = GroupLedger(queued=self.queue.ledger.queued, trained=self.queue.ledger.trained)
-        merged.dropped.update(self.queue.ledger.dropped)
-        for ledger in {id(p.ledger): p.ledger for p in self.producers}.values():
-            if ledger is not self.queue.ledger:
-                merged.dropped.update(ledger.dropped)
-        return merged
-
-
+    def _collect(self, wall_s: float) -> None:
+        counters = self.receiver.counters
+        r = self.result
+        r.wall_s = wall_s
+        r.steps = self.learner.step
+        r.version = self.learner.version
+        r.groups_trained = counters.trained
+        r.samples_trained = self.learner.samples_trained
+        r.tokens_generated = sum(p.counters.tokens for p in self.producers)
+        r.dropped = {reason.value: c for reason, c in counters.dropped.items()}
+        r.unaccounted = counters.unaccounted(self.receiver.depth)
+        r.train_s = self.learner.train_s
+        r.sync_s = self.learner.weight_sync.counters.paused_s

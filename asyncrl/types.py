@@ -1,15 +1,16 @@
-"""Message types that flow through the pipeline.
+"""Message types that flow through the pipeline, and the words for them.
 
-Data flows one way: ``Prompt`` -> producer -> engine (``Sample``) -> producer (``Rollout`` in a
-``RolloutGroup``) -> queue -> learner. Weight versions are integers owned by the learner: version 0 is
-the initial policy, and every weight sync publishes ``version + 1``.
+Data flows one way: ``Prompt`` -> producer -> engine (``Sample``) -> producer (``Rollout``s in a
+``RolloutGroup``) -> queue -> learner. Weight versions are integers owned by the learner's ``VersionClock``:
+version 0 is the initial policy, every publication makes the next one. Nothing here is stored twice: the
+versions that produced a rollout live in its sample's spans, its prompt in its group.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,19 +33,22 @@ class FinishReason(str, enum.Enum):
 class DropReason(str, enum.Enum):
     """Why a rollout group never reached the loss. Every drop is counted under one of these."""
 
-    STALE = "stale"  # older than ``max_staleness`` when the learner took it
+    STALE = "stale"  # older than ``max_staleness`` when the learner took it (or when the version moved)
     ABORTED = "aborted"  # cut by an ``abort`` pause and the producer is set to drop such groups
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt leaves no room to generate in the engine's context
     EMPTY_PROMPT = "empty_prompt"  # prompt has no tokens
     REWARD_ERROR = "reward_error"  # the reward function raised
     REWARD_INVALID = "reward_invalid"  # the reward function returned NaN, inf or a non-number
+    REWARD_TIMEOUT = "reward_timeout"  # the reward function took longer than ``reward_timeout_s``
     ENGINE_ERROR = "engine_error"  # the engine rejected the request
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
 
 @dataclass(frozen=True, slots=True)
 class VersionSpan:
-    """Completion tokens ``[start, end)`` were sampled under weight version ``version``."""
+    """Completion tokens ``[start, end)`` were sampled under weight version ``version``.
+
+    A completion with no tokens carries one empty span ``(v, 0, 0)``: the version it was requested under."""
 
     version: int
     start: int  # index of the first completion token (0-based), inclusive
@@ -63,44 +67,34 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """One completion as the engine produced it (before scoring)."""
+    """One completion as the engine produced it."""
 
     token_ids: tuple[int, ...]  # sampled completion tokens
     logprobs: tuple[float, ...]  # behaviour log-prob of each sampled token (nats), same length
     finish_reason: FinishReason
-    version_spans: tuple[VersionSpan, ...]  # weight version per token range; covers all tokens
+    version_spans: tuple[VersionSpan, ...]  # weight versions over the tokens; at least one span, see VersionSpan
     text: str = ""  # detokenised completion
 
-    @property
-    def version_start(self) -> int:
-        return self.version_spans[0].version if self.version_spans else -1
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"sample of {len(self.token_ids)} tokens has {len(self.logprobs)} log-probs")
 
     @property
-    def version_end(self) -> int:
-        return self.version_spans[-1].version if self.version_spans else -1
+    def oldest_version(self) -> int:
+        """The oldest weight version that produced a token of this sample."""
+        return self.version_spans[0].version
+
+    @property
+    def newest_version(self) -> int:
+        return self.version_spans[-1].version
 
 
 @dataclass(frozen=True, slots=True)
 class Rollout:
-    """A scored completion, ready for training."""
+    """A scored sample, ready for training (its prompt is its group's)."""
 
-    group_id: str  # id of the group (prompt x sampling round) this rollout belongs to
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    behaviour_logprobs: tuple[float, ...]  # per completion token, from the engine that sampled it
+    sample: Sample
     reward: float
-    finish_reason: FinishReason
-    version_spans: tuple[VersionSpan, ...]  # per-token weight versions (see ``VersionSpan``)
-    version_start: int  # weight version when the first token was sampled
-    version_end: int  # weight version when the last token was sampled
-    text: str = ""
-
-    def __post_init__(self) -> None:
-        if len(self.completion_ids) != len(self.behaviour_logprobs):
-            raise ValueError(
-                f"rollout {self.group_id}: {len(self.completion_ids)} completion tokens but "
-                f"{len(self.behaviour_logprobs)} behaviour log-probs"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,28 +104,20 @@ class RolloutGroup:
     group_id: str  # unique and stable: retries of the same group carry the same id
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
-    created_at: float = 0.0  # time.monotonic() when the group was queued (seconds)
     meta: Mapping[str, Any] = field(default_factory=dict)  # free-form producer metadata
-
-    def stamped(self, created_at: float) -> RolloutGroup:
-        """A copy with ``created_at`` set (the queue stamps each group on arrival): what
-        ``dataclasses.replace(self, created_at=created_at)`` gives, at less than half its cost per group."""
-        if type(self) is not RolloutGroup:  # a subclass may have fields of its own
-            return replace(self, created_at=created_at)
-        return RolloutGroup(self.group_id, self.prompt, self.rollouts, created_at, self.meta)
 
     @property
     def oldest_version(self) -> int:
         """The oldest weight version that produced any token of the group."""
-        return min(r.version_start for r in self.rollouts)
+        return min(r.sample.oldest_version for r in self.rollouts)
 
     @property
     def newest_version(self) -> int:
-        return max(r.version_end for r in self.rollouts)
+        return max(r.sample.newest_version for r in self.rollouts)
 
-    def staleness(self, current_version: int) -> int:
-        """How many weight updates old the group's oldest token is, seen from ``current_version``."""
-        return current_version - self.oldest_version
+    def staleness(self, policy_version: int) -> int:
+        """How many weight updates old the group's oldest token is, seen from ``policy_version``."""
+        return policy_version - self.oldest_version
 
     @property
     def rewards(self) -> tuple[float, ...]:
@@ -139,12 +125,7 @@ class RolloutGroup:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.completion_ids) for r in self.rollouts)
-
-
-# ``RolloutGroup.stamped`` lists the fields by hand: a new field must be added there too.
-if tuple(f.name for f in fields(RolloutGroup)) != ("group_id", "prompt", "rollouts", "created_at", "meta"):
-    raise TypeError("RolloutGroup's fields changed: update RolloutGroup.stamped")
+        return sum(len(r.sample.token_ids) for r in self.rollouts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +133,10 @@ class SyncTiming:
     """Wall times of one weight publication, split by phase (seconds)."""
 
     version: int  # the version published
-    pause_s: float  # pause_generation call until generation is paused
+    pause_s: float  # pause call until generation is paused
     transfer_s: float  # weights loaded into the engine while paused
-    resume_s: float  # resume_generation call
-    total_s: float  # lock acquired until resume returned (generation paused for about this long)
+    resume_s: float  # resume call
+    total_s: float  # pause call until resume returned (generation paused for about this long)
     mode: PauseMode
     clear_cache: bool
-    prepare_s: float = 0.0  # checks + serialisation done before the pause (generation kept running)
+    prepare_s: float = 0.0  # checks + staging done before the pause (generation kept running)

@@ -335,11 +335,8 @@ def hf_greedy_accuracy(model: Any, tok: Any, problems: Sequence[Example], reward
 # ------------------------------------------------------------------------------------- engine evaluation
 
 
-_eval_ids = itertools.count()
-
-
 async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Example], reward: RewardFn,
-                                 max_tokens: int) -> float:
+                                 max_tokens: int, batch: str = "eval") -> float:
     """Held-out accuracy with greedy decoding (temperature 0) on ``engine``'s current weights.
 
     Runs beside training requests; nothing is paused. Goes through ``engine.llm`` (a ``VLLMEngine``'s
@@ -349,7 +346,6 @@ async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Examp
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
-    batch = next(_eval_ids)
 
     async def one(i: int, ex: Example) -> float:
         final = None
@@ -371,22 +367,6 @@ async def warm_up(engine: Any, prompt_ids: Sequence[int], sampling: Any, groups:
             tg.create_task(engine.generate(tuple(prompt_ids), sampling, request_id=f"asyncrl-warm-up-{i}"))
 
 
-async def close_engine(engine: Any) -> None:
-    """``engine.close()``, then disarm the ``AsyncLLM``'s ``__del__``.
-
-    Workaround: ``VLLMEngine.close`` drops its reference so that ``AsyncLLM.__del__`` does not shut down
-    again at interpreter exit, but a frame of ``VLLMEngine.start`` kept alive by an import-time frame chain
-    still holds the ``AsyncLLM``; its ``__del__`` then runs during interpreter teardown and prints
-    "Exception ignored ... TypeError: 'NoneType' object is not callable".
-    """
-    llm = getattr(engine, "llm", None)
-    try:
-        await engine.close()
-    finally:
-        if llm is not None and hasattr(llm, "engine_core"):
-            llm.shutdown = lambda *args, **kwargs: None
-
-
 # ------------------------------------------------------------------------------------------ learner hooks
 
 
@@ -404,11 +384,12 @@ class EvalHook:
         self.seconds = 0.0
         self.points: list[tuple[int, float, float]] = []
         self.t0 = time.perf_counter()
+        self._evals = itertools.count()  # request ids must differ between evaluations
 
     async def evaluate(self, step: int) -> float:
         t0 = time.perf_counter()
         acc = await engine_greedy_accuracy(self.engine, self.tok, self.task.held_out, self.task.reward,
-                                           self.max_tokens)
+                                           self.max_tokens, batch=f"eval{next(self._evals)}")
         self.points.append((step, acc, t0 - self.t0 - self.seconds))
         self.seconds += time.perf_counter() - t0
         return acc

@@ -1,8 +1,8 @@
 """Asynchronous off-policy GRPO that learns, on a 2-core CPU, in a few minutes.
 
-    python examples/grpo_offpolicy.py                      # tiny model + addition task (make demo)
-    python examples/grpo_offpolicy.py --steps 20 --out runs/quick
-    python examples/grpo_offpolicy.py --prompts gsm8k.parquet --model path/to/hf-model --max-tokens 256
+    python -m examples.grpo_offpolicy                      # tiny model + addition task (make demo)
+    python -m examples.grpo_offpolicy --steps 20 --out runs/quick
+    python -m examples.grpo_offpolicy --prompts gsm8k.parquet --model path/to/hf-model --max-tokens 256
 
 Without ``--model`` a character-level Qwen2 model is built locally and warm-started with supervised
 teacher forcing (prompt -> answer + EOS) until its held-out greedy accuracy reaches ``--warm-target``; then
@@ -31,9 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples import common  # noqa: E402
+from examples import common
 
 log = logging.getLogger("examples.grpo_offpolicy")
 
@@ -211,7 +209,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
         if progress is not None:
             progress.close()
         monitor.close()
-        await common.close_engine(engine)
+        await engine.close()
     _save(pipeline.learner.model, tok, args.out / "model")
     return {"before": before, "after": after, "engine_start_s": engine_s, "eval_s": evals.seconds,
             "stats": _stats_dict(stats)}

@@ -8,7 +8,8 @@ from pathlib import Path
 def engine_config(model_dir: Path, **overrides):
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
-    args = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=32)
+    args = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=32,
+                extra={"worker_extension_cls": TEST_WORKER_EXTENSION})
     args.update(overrides)
     return VLLMEngineConfig(**args)
 
@@ -33,3 +34,19 @@ def child_pids() -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+async def apply_update(engine, update):
+    """Prepare, load and release one update on an engine that is already paused (or needs no pause)."""
+    prepared = await engine.prepare(update)
+    try:
+        await engine.load(prepared)
+    finally:
+        engine.release(prepared)
+
+
+TEST_WORKER_EXTENSION = "tests.vllm_worker_ext.TestWorkerExtension"
+
+# What the tests' vLLM servers run with (tiny float32 models, no CUDA-graph capture); the launcher itself
+# adds nothing but what asyncrl needs.
+SERVER_TEST_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "128")

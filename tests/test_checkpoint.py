@@ -23,18 +23,19 @@ import torch
 
 from asyncrl import (
     ConfigError, DropReason, FinishReason, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, Rollout,
-    RolloutGroup, SamplingConfig, VersionSpan,
+    RolloutGroup, RolloutSender, Sample, SamplingConfig, VersionClock, VersionSpan, create_rollout_queue,
 )
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.checkpoint import (
-    MANIFEST_FILE, CheckpointConfig, Checkpointer, CorruptCheckpoint, latest, restore, resume_pipeline, verify,
+    CheckpointConfig, Checkpointer, CorruptCheckpoint, latest, restore, resume_pipeline, save_learner, training_state,
+    verify,
 )
+from asyncrl.checkpoint.store import MANIFEST_FILE
 from asyncrl.config import SyncConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.weights import WEIGHTS_FILE
-from asyncrl.queues.rollout_queue import RolloutQueue
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_with_checkpoints.py"
 _spec = importlib.util.spec_from_file_location("train_with_checkpoints", SCRIPT)
@@ -47,18 +48,24 @@ def items(count: int = 100) -> list[Prompt]:
 
 
 def group(gid: str) -> RolloutGroup:
-    r = Rollout(gid, (1,), (2,), (-1.0,), 1.0, FinishReason.STOP, (VersionSpan(0, 0, 1),), 0, 0)
+    r = Rollout(Sample((2,), (-1.0,), FinishReason.STOP, (VersionSpan(0, 0, 1),)), 1.0)
     return RolloutGroup(gid, Prompt(gid, (1,)), (r,))
 
 
-def make_learner(step: int = 0, version: int = 0) -> Learner:
+def make_learner(step: int = 0, version: int = 0) -> tuple[Learner, RolloutSender]:
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(5, 4)).square().mean().backward()
     optimizer.step()  # the optimiser has state worth saving
-    queue_ = RolloutQueue(QueueConfig(capacity=8, max_staleness=100))
-    return Learner(model, optimizer, script.RegressionLoss(), queue_, WeightSync(FakeEngine(), SyncConfig()),
-                   version=version, step=step)
+    clock = VersionClock(version)
+    sender, receiver = create_rollout_queue(QueueConfig(capacity=8, max_staleness=100), clock)
+    learner = Learner(model, optimizer, script.RegressionLoss(), receiver, WeightSync(FakeEngine(), clock,
+                                                                                      SyncConfig()), step=step)
+    return learner, sender
+
+
+def _parts(learner: Learner, source: PromptSource, extra: dict) -> tuple:
+    return learner.model, learner.optimizer, training_state(learner, source, extra)
 
 
 async def advanced_source(count: int) -> PromptSource:
@@ -87,14 +94,14 @@ def test_bad_config_names_the_field(kwargs, name):
 
 
 async def test_round_trip_restores_weights_optimizer_position_and_rng(tmp_path):
-    learner = make_learner(step=5, version=4)
+    learner, sender = make_learner(step=5, version=4)
     source = await advanced_source(7)
     for i in range(6):  # prompts 0-5 became groups, 4 trained, 2 still queued; prompt 6 is in flight
-        await learner.queue.put(group(f"p{i}#{i}"))
-    await learner.queue.get_batch(4, learner.version)
-    learner.queue.ledger.trained = 4
+        await sender.send(group(f"p{i}#{i}"))
+    await learner.receiver.receive_batch(4)
+    learner.receiver.counters.trained = 4
     async with Checkpointer(CheckpointConfig(tmp_path, every_steps=1)) as ckpt:
-        saved = await ckpt.save(learner, source, extra={"note": "hi"})
+        saved = await save_learner(ckpt, learner, source, extra={"note": "hi"})
     weights = {k: v.clone() for k, v in learner.model.state_dict().items()}
 
     model = torch.nn.Linear(4, 3)
@@ -105,15 +112,15 @@ async def test_round_trip_restores_weights_optimizer_position_and_rng(tmp_path):
     assert state.extra == {"note": "hi"}
     assert all(torch.equal(model.state_dict()[k], w) for k, w in weights.items())
     assert same_optimizer_state(optimizer, learner.optimizer)
-    assert state.ledger.queued == 6 and state.ledger.trained == 4
-    assert state.ledger.dropped[DropReason.UNUSED_AT_SHUTDOWN] == 3, "queued and in-flight groups are lost"
-    assert state.ledger.unaccounted(0) == 0, "... and counted, so the books balance"
+    assert state.counters.queued == 6 and state.counters.trained == 4
+    assert state.counters.dropped[DropReason.UNUSED_AT_SHUTDOWN] == 3, "queued and in-flight groups are lost"
+    assert state.counters.unaccounted(0) == 0, "... and counted, so the books balance"
 
 
 async def test_next_random_numbers_after_restore_equal_those_after_save(tmp_path):
-    learner = make_learner()
+    learner, _ = make_learner()
     async with Checkpointer(CheckpointConfig(tmp_path)) as ckpt:
-        await ckpt.save(learner, await advanced_source(0))
+        await save_learner(ckpt, learner, await advanced_source(0))
     expected = torch.rand(4), random.random(), float(np.random.rand())
     torch.rand(50), random.random(), np.random.rand(3)
     restore(latest(tmp_path), torch.nn.Linear(4, 3))
@@ -122,11 +129,11 @@ async def test_next_random_numbers_after_restore_equal_those_after_save(tmp_path
 
 
 async def test_snapshot_is_taken_before_the_next_step_can_change_the_weights(tmp_path):
-    learner = make_learner(step=1)
+    learner, _ = make_learner(step=1)
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     opt_before = {k: v.clone() for k, v in learner.optimizer.state_dict()["state"][0].items()}
     async with Checkpointer(CheckpointConfig(tmp_path)) as ckpt:
-        await ckpt.start_save(learner, await advanced_source(0))  # the write runs in a thread, later
+        await ckpt.start_save(learner.model, learner.optimizer, training_state(learner, await advanced_source(0)))  # the write runs in a thread, later
         with torch.no_grad():
             for p in learner.model.parameters():
                 p.add_(1.0)  # "the next optimiser step"
@@ -147,11 +154,11 @@ async def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
             self.head = torch.nn.Linear(4, 8, bias=False)
             self.head.weight = self.embed.weight
 
-    learner = make_learner()
+    learner, _ = make_learner()
     learner.model = Tied()
     learner.optimizer = torch.optim.AdamW(learner.model.parameters())
     async with Checkpointer(CheckpointConfig(tmp_path)) as ckpt:
-        saved = await ckpt.save(learner, await advanced_source(0))
+        saved = await save_learner(ckpt, learner, await advanced_source(0))
     assert saved.meta["aliases"] == {"head.weight": "embed.weight"}
     fresh = Tied()
     restore(saved, fresh)
@@ -160,24 +167,24 @@ async def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
 
 
 async def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
-    learner = make_learner()
+    learner, _ = make_learner()
     source = await advanced_source(0)
     (tmp_path / ".tmp-step-000099-dead").mkdir(parents=True)  # left by a killed writer
     async with Checkpointer(CheckpointConfig(tmp_path, keep=2)) as ckpt:
         for step in range(1, 6):
             learner.step = step
-            await ckpt.save(learner, source)
+            await save_learner(ckpt, learner, source)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000005"]
     assert latest(tmp_path).step == 5
 
 
 async def test_saving_a_step_again_replaces_it(tmp_path):
-    learner = make_learner(step=3)
+    learner, _ = make_learner(step=3)
     async with Checkpointer(CheckpointConfig(tmp_path)) as ckpt:
-        await ckpt.save(learner, await advanced_source(1))
+        await save_learner(ckpt, learner, await advanced_source(1))
         with torch.no_grad():
             learner.model.weight.add_(1.0)
-        await ckpt.save(learner, await advanced_source(2))  # e.g. a run resumed from an older checkpoint
+        await save_learner(ckpt, learner, await advanced_source(2))  # e.g. a run resumed from an older checkpoint
     model = torch.nn.Linear(4, 3)
     assert restore(latest(tmp_path), model).cursor == 2
     assert torch.equal(model.weight, learner.model.weight)
@@ -187,17 +194,17 @@ async def test_saving_a_step_again_replaces_it(tmp_path):
 async def test_extra_that_is_not_json_fails_the_save_call(tmp_path):
     async with Checkpointer(CheckpointConfig(tmp_path)) as ckpt:
         with pytest.raises(TypeError):
-            await ckpt.start_save(make_learner(), await advanced_source(0), extra={"x": object()})
+            await ckpt.start_save(*_parts(make_learner()[0], await advanced_source(0), extra={"x": object()}))
     assert latest(tmp_path) is None
 
 
 async def test_torn_or_corrupt_checkpoints_are_never_returned(tmp_path, caplog):
-    learner = make_learner()
+    learner, _ = make_learner()
     source = await advanced_source(0)
     async with Checkpointer(CheckpointConfig(tmp_path, keep=10)) as ckpt:
         for step in (1, 2, 3, 5, 6):
             learner.step = step
-            await ckpt.save(learner, source)
+            await save_learner(ckpt, learner, source)
     torn = tmp_path / ".tmp-step-000007-abc"  # a write killed before its rename
     shutil.copytree(tmp_path / "step-000006", torn)
     (tmp_path / "step-000005" / MANIFEST_FILE).unlink()  # no COMPLETE manifest
@@ -413,13 +420,14 @@ async def test_resume_on_the_real_engine_publishes_the_restored_weights(vllm_eng
     async with Checkpointer(ckpt_cfg) as ckpt:
         pipe, _ = await resume_pipeline(vllm_engine, load_hf_model(tiny_model_dir), data, reward, cfg,
                                         checkpoint=None, checkpointer=ckpt, **kw)
-        pipe.learner.version = start = vllm_engine.version  # the session engine may have synced before
+        start = pipe.learner.version  # the session engine may have synced before
         await pipe.run(2)
     saved = latest(tmp_path)
     assert saved.step == 2 and saved.meta["version"] == start + 2
 
     base = load_hf_model(tiny_model_dir)  # a restarted engine: base weights, version 0
-    await WeightSync(vllm_engine, SyncConfig()).publish(state_dict_for_engine(base), 0)
+    await WeightSync(vllm_engine, VersionClock(vllm_engine.version), SyncConfig()).publish(state_dict_for_engine(base))
+    await vllm_engine._set_version(0)  # versions never go back, except in an engine started afresh
     model = load_hf_model(tiny_model_dir)
     async with Checkpointer(ckpt_cfg) as ckpt:
         pipe, state = await resume_pipeline(vllm_engine, model, data, reward, cfg, checkpoint=saved,

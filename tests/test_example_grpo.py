@@ -18,7 +18,6 @@ import pytest
 from examples import common
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "grpo_offpolicy.py"
 TINY = ["--hidden", "64", "--layers", "1", "--warm-max-steps", "10", "--steps", "3", "--n", "4",
         "--batch-groups", "2", "--eval-every", "2", "--held-out", "20", "--tensorboard", "off", "--no-progress"]
 PROMPTS = [
@@ -31,7 +30,7 @@ PROMPTS = [
 
 
 def run_example(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *TINY, *extra], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "examples.grpo_offpolicy", "--out", str(out), *TINY, *extra], cwd=ROOT,
                           env=None if env is None else {**os.environ, **env},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -12,7 +12,6 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "grpo_offpolicy.py"
 
 
 def _wait_for_line(proc: subprocess.Popen[str], needle: str, deadline_s: float) -> list[str]:
@@ -39,7 +38,7 @@ def _running(proc: psutil.Process) -> bool:
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_ctrl_c_mid_training_stops_script_and_children_within_10s(tmp_path: Path) -> None:
-    args = [sys.executable, str(EXAMPLE), "--out", str(tmp_path / "run"), "--hidden", "64", "--layers", "1",
+    args = [sys.executable, "-m", "examples.grpo_offpolicy", "--out", str(tmp_path / "run"), "--hidden", "64", "--layers", "1",
             "--warm-max-steps", "5", "--steps", "100000", "--n", "4", "--batch-groups", "2", "--eval-every", "0",
             "--held-out", "10", "--tensorboard", "off", "--no-progress"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

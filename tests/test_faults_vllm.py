@@ -15,11 +15,11 @@ import torch
 from asyncrl import LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
 from asyncrl.config import SamplingConfig as Sampling
 from asyncrl.engines import weights
-from asyncrl.engines.base import EngineError, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.engines.supervisor import SupervisedEngine
 from asyncrl.engines.vllm_local import VLLMEngine
 from asyncrl.engines.weights import state_dict_for_engine
-from tests.support import child_pids, engine_config, load_hf_model
+from tests.support import apply_update, child_pids, engine_config, load_hf_model
 from tests.test_pipeline_vllm import _assert_no_children, build
 from tests.test_vllm_engine import _max_diff, _prompt, _publish
 
@@ -100,31 +100,32 @@ async def test_update_failing_part_way_restores_previous_weights(vllm_engine, ti
     await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
         with pytest.raises(WeightUpdateError, match="restored"):
-            await vllm_engine.update_weights(WeightUpdate(version + 1, bad))
+            await apply_update(vllm_engine, WeightUpdate(version + 1, bad))
     finally:
         await vllm_engine.resume()
     assert vllm_engine.version == version
     samples = await vllm_engine.generate(prompt, params, request_id="after-partial")
     assert _max_diff(base, prompt, samples) < 2e-3, "the engine holds exactly the previous weights"
-    assert all(s.version_end == version for s in samples)
+    assert all(s.newest_version == version for s in samples)
 
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_learner_failing_during_sync_leaves_engine_resumed(vllm_engine, tiny_model_dir, tokenizer):
     pipe = build(vllm_engine, tiny_model_dir, tokenizer, config(), close_engine=False)
-    pipe.learner.version = vllm_engine.version
-    original = pipe.learner.weight_sync.engine.update_weights
 
-    async def failing_update(update):
-        raise WeightUpdateError("injected transfer failure")
+    class FailingLoad:
+        """The real engine as the weight target, except that every load fails."""
 
-    pipe.learner.weight_sync.engine = type("E", (), {})()
-    for name in ("pause", "resume", "check_alive", "version", "name"):
-        setattr(pipe.learner.weight_sync.engine, name, getattr(vllm_engine, name))
-    pipe.learner.weight_sync.engine.update_weights = failing_update
+        name, prepare, pause, resume, release = "failing", vllm_engine.prepare, vllm_engine.pause, \
+            vllm_engine.resume, vllm_engine.release
+        version = property(lambda self: vllm_engine.version)
+
+        async def load(self, update):
+            raise WeightUpdateError("injected transfer failure")
+
+    pipe.learner.weight_sync.target = FailingLoad()
     with pytest.raises(WeightUpdateError, match="injected"):
         await pipe.run(steps=3)
-    assert original is not None
     assert not await vllm_engine.llm.is_paused(), "a failed sync still resumes generation"
     [s] = await vllm_engine.generate(_prompt(tokenizer), Sampling(n=1, max_tokens=3), request_id="still-alive")
     assert s.token_ids

@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import StagedInEngine, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
 from tests.test_vllm_engine import _first_token_seen
@@ -73,7 +73,7 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else Path)
         await engine.pause(PauseMode.KEEP, clear_cache=True)
         try:
-            await engine.update_weights(update)
+            await apply_update(engine, update)
         finally:
             await engine.resume()
         kept = await task
@@ -82,7 +82,7 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
 
         fresh = await engine.generate(prompt, params, "fresh")
         assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after sync the engine matches the learner"
-        assert all(s.version_start == 1 for s in fresh)
+        assert all(s.oldest_version == 1 for s in fresh)
 
         cut = asyncio.create_task(engine.generate(prompt, long, "abort"))
         await _first_token_seen(engine)
@@ -103,7 +103,7 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         if transfer == "cuda_ipc":
             await engine.prepare_update(WeightUpdate(3, good))
             with pytest.raises(WeightUpdateError):
-                await engine.update_weights(WeightUpdate(4, good, staged=StagedInEngine(4)))
+                await apply_update(engine, WeightUpdate(4, good, staged=StagedInEngine(4)))
             assert engine.version == 1
         after = await engine.generate(prompt, params, "after-refusals")
         assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
@@ -114,7 +114,7 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         for version in range(5, 8):
             await engine.pause(PauseMode.KEEP, clear_cache=True)
             try:
-                await engine.update_weights(WeightUpdate(version, good))
+                await apply_update(engine, WeightUpdate(version, good))
             finally:
                 await engine.resume()
         assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes

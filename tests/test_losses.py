@@ -14,7 +14,7 @@ import torch
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, group_advantages, k3, policy_loss
 from asyncrl.config import ConfigError, LearnerConfig, SyncConfig
-from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, VersionSpan
+from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
 
 E = math.e
 
@@ -264,10 +264,8 @@ def _group(gid: str, model: torch.nn.Module, rewards: list[float], shift: float)
     with torch.no_grad():
         scored = completion_logprobs(model, [prompt] * len(rewards), completions)
     rollouts = tuple(
-        Rollout(group_id=gid, prompt_ids=tuple(prompt), completion_ids=tuple(c),
-                behaviour_logprobs=tuple((scored.logprobs[i, : len(c)] + shift).tolist()), reward=r,
-                finish_reason=FinishReason.STOP, version_spans=(VersionSpan(0, 0, len(c)),),
-                version_start=0, version_end=0)
+        Rollout(Sample(token_ids=tuple(c), logprobs=tuple((scored.logprobs[i, : len(c)] + shift).tolist()),
+                       finish_reason=FinishReason.STOP, version_spans=(VersionSpan(0, 0, len(c)),)), reward=r)
         for i, (c, r) in enumerate(zip(completions, rewards))
     )
     return RolloutGroup(group_id=gid, prompt=Prompt(gid, tuple(prompt)), rollouts=rollouts)
@@ -313,7 +311,7 @@ def _learner_step(model: torch.nn.Module, groups: list[RolloutGroup], skip: bool
 
     copy_ = copy.deepcopy(model).train()
     optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-2)
-    learner = Learner(copy_, optimizer, GRPOLoss(LossConfig()), queue=None, weight_sync=None,  # type: ignore[arg-type]
+    learner = Learner(copy_, optimizer, GRPOLoss(LossConfig()), *_queue_and_sync(),
                       config=LearnerConfig(micro_batch_rollouts=3, skip_inert_groups=skip, autocast=autocast))
     metrics = learner._train_step(groups)
     return copy_, metrics
@@ -387,8 +385,7 @@ def test_the_step_runs_in_the_learners_own_thread_at_its_niceness(model: torch.n
     async def two_steps(nice: int) -> None:
         copy_ = copy.deepcopy(model).train()
         learner = Learner(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-3), Recording(LossConfig()),
-                          queue=_CountingQueue(), weight_sync=None,  # type: ignore[arg-type]
-                          config=LearnerConfig(nice=nice, sync=SyncConfig(every=10)))
+                          *_queue_and_sync(), config=LearnerConfig(nice=nice, sync=SyncConfig(every=10)))
         for _ in range(2):
             await learner.train_and_publish(groups)
 
@@ -404,10 +401,11 @@ def test_the_step_runs_in_the_learners_own_thread_at_its_niceness(model: torch.n
             LearnerConfig(nice=bad)  # type: ignore[arg-type]
 
 
-class _CountingQueue:
-    """What ``Learner.train_and_publish`` needs of a queue: a ledger that counts trained groups."""
+def _queue_and_sync():
+    """The receiving end and weight sync a learner needs, over an in-memory engine (nothing is published)."""
+    from asyncrl import QueueConfig, VersionClock, WeightSync, create_rollout_queue
+    from asyncrl.engines.fake import FakeEngine
 
-    def __init__(self) -> None:
-        from asyncrl.ledger import GroupLedger
-
-        self.ledger = GroupLedger()
+    clock = VersionClock()
+    _, receiver = create_rollout_queue(QueueConfig(), clock)
+    return receiver, WeightSync(FakeEngine(), clock, SyncConfig())

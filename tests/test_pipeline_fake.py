@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from asyncrl import (
-    AbortPolicy, ConfigError, DropReason, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
-    Prompt, QueueConfig, SamplingConfig, SyncConfig,
+    AbortPolicy, ConfigError, DropReason, InvalidGroupError, InvalidGroupPolicy, LearnerConfig, PipelineConfig,
+    ProducerConfig, Prompt, QueueClosed, QueueConfig, SamplingConfig, SyncConfig, VersionClock,
 )
-from asyncrl.actors.producer import InvalidGroupError, Producer
+from asyncrl.actors.producer import Producer
 from asyncrl.algorithms.losses import LossOutput
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.queues.rollout_queue import QueueClosed, RolloutQueue, is_fresh
+from asyncrl.engines.protocols import WeightUpdate
+from asyncrl.queues.rollout_queue import is_fresh, create_rollout_queue
 from asyncrl.recipes import grpo_pipeline
-from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, VersionSpan
-
-
+from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, Sample, VersionSpan
 
 
 def prompts(count: int, length: int = 3):
@@ -31,12 +30,14 @@ def prompts(count: int, length: int = 3):
 
 
 def group(gid: str, version: int) -> RolloutGroup:
-    r = Rollout(gid, (1,), (2,), (-1.0,), 1.0, FinishReason.STOP, (VersionSpan(version, 0, 1),), version, version)
+    r = Rollout(Sample((2,), (-1.0,), FinishReason.STOP, (VersionSpan(version, 0, 1),)), 1.0)
     return RolloutGroup(gid, Prompt(gid, (1,)), (r,))
 
 
 class RecordingLoss:
     """A loss that records what reached it (and optionally waits on a gate, to make a slow learner)."""
+
+    min_group_size = 1
 
     def __init__(self, learner_version=lambda: 0, gate: threading.Event | None = None) -> None:
         self.seen: list[tuple[int, int]] = []  # (learner version, group staleness)
@@ -78,9 +79,9 @@ def config(**kw) -> PipelineConfig:
 
 
 def test_staleness_rule_is_a_pure_function():
-    assert is_fresh(group("a", 3), current_version=4, max_staleness=1)
-    assert not is_fresh(group("a", 2), current_version=4, max_staleness=1)
-    assert is_fresh(group("a", 4), current_version=4, max_staleness=0)
+    assert is_fresh(group("a", 3), policy_version=4, max_staleness=1)
+    assert not is_fresh(group("a", 2), policy_version=4, max_staleness=1)
+    assert is_fresh(group("a", 4), policy_version=4, max_staleness=0)
 
 
 async def test_run_trains_and_accounts_for_every_group():
@@ -110,25 +111,33 @@ async def test_backpressure_blocks_producers_and_bounds_the_queue():
     loss = RecordingLoss(gate=gate)
     pipe = make_pipeline(engine, prompts(10_000), config(capacity=3, batch=2, inflight=4, producers=2), loss=loss)
     blocked = asyncio.Event()
-    original_put = pipe.queue.put
-
-    async def put(g):
-        if pipe.queue.depth >= pipe.queue.config.capacity:
-            blocked.set()
-        return await original_put(g)
-
     for p in pipe.producers:
-        p.sink = type("Sink", (), {"put": staticmethod(put)})()
+        p.sink = SignallingSink(p.sink, pipe.receiver, blocked)
     run = asyncio.create_task(pipe.run(steps=3))
     await asyncio.wait_for(blocked.wait(), 10)
     requests_when_blocked = engine.requests
-    assert pipe.queue.depth == 3
+    assert pipe.receiver.depth == 3
     # Producers hold at most max_inflight groups each; they cannot run ahead of the full queue.
     assert requests_when_blocked <= 3 + 2 + 2 * 4
     gate.set()
     stats = await asyncio.wait_for(run, 20)
-    assert pipe.queue.stats.max_depth <= 3
+    assert pipe.receiver.statistics().max_depth <= 3
     assert stats.unaccounted == 0
+
+
+class SignallingSink:
+    """A producer's sender that sets ``full`` when a send is about to block on the full queue."""
+
+    def __init__(self, sender, receiver, full: asyncio.Event) -> None:
+        self.sender, self.receiver, self.full = sender, receiver, full
+
+    async def send(self, g):
+        if self.receiver.depth >= self.receiver.config.capacity:
+            self.full.set()
+        return await self.sender.send(g)
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -188,8 +197,8 @@ async def test_cancelling_run_shuts_down():
     with pytest.raises(asyncio.CancelledError):
         await run
     assert engine.closed
-    assert pipe.queue.closed
-    assert pipe.stats.unaccounted == 0
+    assert pipe.receiver.closed
+    assert pipe.result.unaccounted == 0
 
 
 async def _until_trained(pipe, steps):
@@ -200,7 +209,7 @@ async def _until_trained(pipe, steps):
 
 async def test_finite_data_ends_the_run_gracefully():
     pipe = make_pipeline(FakeEngine(), prompts(7), config(batch=2, max_staleness=100))
-    stats = await pipe.run(steps=100)
+    stats = await pipe.run(steps=None)
     assert stats.steps == 3  # 7 groups -> 3 full batches; the 7th group is counted unused
     assert stats.dropped[DropReason.UNUSED_AT_SHUTDOWN.value] == 1
     assert stats.unaccounted == 0
@@ -209,31 +218,32 @@ async def test_finite_data_ends_the_run_gracefully():
 async def test_abort_cut_samples_are_resubmitted_or_dropped():
     for policy, expect_drop in ((AbortPolicy.RESUBMIT, False), (AbortPolicy.DROP, True)):
         engine = FakeEngine(token_delay_s=0.005)
-        queue = RolloutQueue(QueueConfig(capacity=4))
-        producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, queue,
+        sender, receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
+        producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, sender,
                             ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy),
-                            ledger=queue.ledger)
+                            group_counters=receiver.counters)
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
         await asyncio.wait_for(engine.token_produced.wait(), 10)
         await engine.pause(PauseMode.ABORT, clear_cache=False)
-        await engine.update_weights(type("U", (), {"version": 1, "tensors": {}})())
+        await engine.load(WeightUpdate(1, {}))
         await engine.resume()
         result = await asyncio.wait_for(task, 10)
         if expect_drop:
-            assert result is None and queue.ledger.dropped[DropReason.ABORTED] == 1
+            assert result is None and receiver.counters.dropped[DropReason.ABORTED] == 1
         else:
-            assert result is not None and producer.stats.resubmitted == 2
-            assert all(r.finish_reason is FinishReason.LENGTH and r.version_start == 1 for r in result.rollouts)
+            assert result is not None and producer.counters.resubmitted == 2
+            assert all(r.sample.finish_reason is FinishReason.LENGTH and r.sample.oldest_version == 1
+                       for r in result.rollouts)
 
 
 async def test_queue_rejects_duplicates_and_closes():
-    q = RolloutQueue(QueueConfig(capacity=2))
-    assert await q.put(group("g", 0)) is True
-    assert await q.put(group("g", 0)) is False
-    await q.close()
+    sender, receiver = create_rollout_queue(QueueConfig(capacity=2), VersionClock())
+    assert await sender.send(group("g", 0)) is True
+    assert await sender.send(group("g", 0)) is False
+    receiver.close()
     with pytest.raises(QueueClosed):
-        await q.put(group("h", 0))
-    assert q.ledger.dropped[DropReason.UNUSED_AT_SHUTDOWN] == 1
+        await sender.send(group("h", 0))
+    assert receiver.counters.dropped[DropReason.UNUSED_AT_SHUTDOWN] == 1
 
 
 @pytest.mark.parametrize("make, field", [
@@ -266,12 +276,12 @@ def test_missing_model_path_is_a_config_error(tmp_path):
 def test_engine_busy_wait_picks_the_executor(tiny_model_dir):
     """busy_wait=False selects asyncrl's napping executor (by name, loaded in EngineCore); True leaves vLLM's
     choice; None naps on CPU (this machine); ``extra`` still overrides; a non-bool is a ConfigError."""
-    from asyncrl.engines.vllm_local import EXECUTOR_QUALNAME, VLLMEngineConfig, _engine_args
+    from asyncrl.engines.vllm_local.config import EXECUTOR_QUALNAME, VLLMEngineConfig, engine_args
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     def backend(**kw):
-        return _engine_args(VLLMEngineConfig(model=str(tiny_model_dir), **kw)).distributed_executor_backend
+        return engine_args(VLLMEngineConfig(model=str(tiny_model_dir), **kw)).distributed_executor_backend
 
     assert issubclass(resolve_obj_by_qualname(EXECUTOR_QUALNAME), MultiprocExecutor)
     assert backend(busy_wait=False) == EXECUTOR_QUALNAME
@@ -283,15 +293,15 @@ def test_engine_busy_wait_picks_the_executor(tiny_model_dir):
 
 
 class SlowPublishEngine(FakeEngine):
-    """Weight updates wait until ``release`` is set: a publication the test can hold in flight."""
+    """Weight loads wait until ``held`` is set: a publication the test can hold in flight."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.release = asyncio.Event()
+        self.held = asyncio.Event()
 
-    async def update_weights(self, update) -> None:
-        await self.release.wait()
-        await super().update_weights(update)
+    async def load(self, update) -> None:
+        await self.held.wait()
+        await super().load(update)
 
 
 async def test_overlapped_publication_trains_the_next_step_meanwhile():
@@ -303,7 +313,7 @@ async def test_overlapped_publication_trains_the_next_step_meanwhile():
         def compute(self, model, groups):
             seen_engine_versions.append(engine.version)
             if len(seen_engine_versions) == 2:  # step 2 is training while publication 1 is still held
-                loop.call_soon_threadsafe(engine.release.set)
+                loop.call_soon_threadsafe(engine.held.set)
             return super().compute(model, groups)
 
     cfg = config(max_staleness=2)
@@ -313,7 +323,7 @@ async def test_overlapped_publication_trains_the_next_step_meanwhile():
     stats = await asyncio.wait_for(pipe.run(steps=3), 30)
     assert seen_engine_versions[:2] == [0, 0], "step 2 trained before publication 1 landed"
     assert stats.version == engine.version == 3, "run() returns after the last publication landed"
-    assert stats.unaccounted == 0 and pipe.learner.weight_sync.count == 3
+    assert stats.unaccounted == 0 and pipe.learner.weight_sync.counters.published == 3
 
 
 async def test_overlapped_publication_keeps_staleness_within_bounds():
@@ -325,5 +335,5 @@ async def test_overlapped_publication_keeps_staleness_within_bounds():
     stats = await asyncio.wait_for(pipe.run(steps=12), 30)
     seen = [staleness for _, staleness in pipe.learner.loss.seen]
     assert seen and all(0 <= s <= 1 for s in seen), seen
-    assert min(pipe.queue.stats.staleness_trained) >= 0
+    assert min(pipe.receiver.statistics().staleness) >= 0
     assert stats.version == engine.version == 12 and stats.unaccounted == 0

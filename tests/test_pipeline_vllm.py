@@ -11,15 +11,15 @@ import psutil
 import pytest
 
 from asyncrl import (
-    InvalidGroupPolicy, LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, Prompt, QueueConfig,
-    SamplingConfig, SyncConfig,
+    InvalidGroupError, InvalidGroupPolicy, LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, Prompt,
+    QueueConfig, SamplingConfig, SyncConfig,
 )
-from asyncrl.actors.producer import InvalidGroupError
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.engines.vllm_local import VLLMEngine
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.tasks import arithmetic
 from tests.support import child_pids, engine_config, load_hf_model
+from tests.test_pipeline_fake import SignallingSink
 
 pytestmark = pytest.mark.vllm
 
@@ -73,13 +73,13 @@ def build(engine, model_dir, tokenizer, config, loss=None, reward_fn=reward, clo
 async def test_staleness_bound_holds_and_every_group_is_accounted(vllm_engine, tiny_model_dir, tokenizer, mode):
     loss = Recording(tokenizer)
     pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(mode=mode, max_staleness=0), loss)
-    start_version = pipe.learner.version = vllm_engine.version
+    start_version = pipe.learner.version
     stats = await pipe.run(steps=4)
     assert stats.steps == 4 and vllm_engine.version == start_version + 4
     assert loss.staleness and max(loss.staleness) == 0, "no group older than max_staleness reaches the loss"
     assert stats.unaccounted == 0
     assert stats.groups_trained == 8
-    metrics = pipe.queue.metrics()
+    metrics = pipe.receiver.metrics()
     assert metrics["rollout/staleness_max"] == 0
 
 
@@ -88,25 +88,17 @@ async def test_backpressure_with_a_slow_learner(vllm_engine, tiny_model_dir, tok
     gate = threading.Event()
     loss = Recording(tokenizer, gate=gate)
     pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(capacity=3, batch=2, inflight=3), loss)
-    pipe.learner.version = vllm_engine.version
     full = asyncio.Event()
-    pipe.learner.hooks.append(lambda step, m: None)
-    original_put = pipe.queue.put
-
-    async def put(group):
-        if pipe.queue.depth >= pipe.queue.config.capacity:
-            full.set()  # a producer is about to block on the full queue
-        return await original_put(group)
-
-    pipe.queue.put = put  # type: ignore[method-assign]
+    for p in pipe.producers:  # a producer is about to block on the full queue: ``full`` is set
+        p.sink = SignallingSink(p.sink, pipe.receiver, full)
     run = asyncio.create_task(pipe.run(steps=2))
     await asyncio.wait_for(full.wait(), 60)
-    produced_when_full = sum(p.stats.groups for p in pipe.producers)
-    assert pipe.queue.depth == 3
+    produced_when_full = sum(p.counters.groups for p in pipe.producers)
+    assert pipe.receiver.depth == 3
     gate.set()
     stats = await asyncio.wait_for(run, 120)
-    assert pipe.queue.stats.max_depth <= 3, "the queue never exceeds its bound"
-    assert pipe.queue.stats.puts_blocked >= 1
+    assert pipe.receiver.statistics().max_depth <= 3, "the queue never exceeds its bound"
+    assert pipe.receiver.statistics().sends_blocked >= 1
     assert produced_when_full <= 3 + 2, "producers cannot run ahead of the bound"
     assert stats.unaccounted == 0
 
@@ -169,6 +161,6 @@ async def test_cancellation_mid_run_stops_every_task_and_process(tiny_model_dir,
         await run
     _assert_no_children(before)
     assert time.monotonic() - t0 < 10, "shutdown within 10 s"
-    assert pipe.stats.unaccounted == 0
+    assert pipe.result.unaccounted == 0
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
     assert not [t for t in tasks if "producer" in t.get_name() or "learner" in t.get_name()]

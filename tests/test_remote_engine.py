@@ -17,16 +17,17 @@ import pytest_asyncio
 import torch
 
 from asyncrl.config import ConfigError, SamplingConfig
-from asyncrl.engines.base import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.pool import EnginePool
-from asyncrl.engines.nccl import NcclTransportConfig, NcclWeightTransport
-from asyncrl.engines.remote import RemoteEngineConfig, RemoteVLLMEngine
-from asyncrl.engines.server_process import ServerProcess, free_port, group_members, start_vllm_server
+from asyncrl.engines.protocols import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
+from asyncrl.engines.vllm_remote.nccl import NcclTransportConfig, NcclWeightTransport
+from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, group_members, start_vllm_server
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.tasks import arithmetic
 from asyncrl.tiny import TinyModelSpec, build_tiny
 from asyncrl.types import FinishReason, PauseMode, Sample
+from tests.support import SERVER_TEST_ARGS, apply_update
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -65,7 +66,7 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
 
 def _device_args() -> list[str]:
     """The module also runs on a GPU machine (vLLM 0.26 there): float32 needs Triton attention."""
-    args = ["--max-model-len", str(MAX_MODEL_LEN)]
+    args = [*SERVER_TEST_ARGS, "--max-model-len", str(MAX_MODEL_LEN)]
     if torch.cuda.is_available():
         args += ["--gpu-memory-utilization", "0.2", "--attention-backend", "TRITON_ATTN"]
     return args
@@ -203,17 +204,17 @@ async def test_pool_reports_or_drops_a_dead_member() -> None:
         await strict.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")
     assert err.value.engine == "b"
     with pytest.raises(EngineError) as err:
-        await strict.update_weights(WeightUpdate(version=1, tensors={"w": torch.zeros(1)}))
+        await apply_update(strict, WeightUpdate(version=1, tensors={"w": torch.zeros(1)}))
     assert err.value.engine == "b" and "update to version 1" in str(err.value)
     assert (a.version, b.version, strict.version) == (1, 0, 0)  # a alone moved on
 
     (s,) = await tolerant.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")  # b fails, a serves
     assert s.finish_reason is FinishReason.LENGTH and tolerant.live == ("a",)
     assert tolerant.metrics()["engine/dead"] == 1
-    await tolerant.update_weights(WeightUpdate(version=2, tensors={"w": torch.zeros(1)}))
+    await apply_update(tolerant, WeightUpdate(version=2, tensors={"w": torch.zeros(1)}))
     assert tolerant.version == 2
     with pytest.raises(WeightUpdateError, match=r"refused by \['a'\]"):
-        await tolerant.update_weights(WeightUpdate(version=3, tensors={"w": object()}))  # type: ignore[dict-item]
+        await apply_update(tolerant, WeightUpdate(version=3, tensors={"w": object()}))  # type: ignore[dict-item]
     assert tolerant.version == 2
     b.alive = a.alive = False
     with pytest.raises(EngineError, match="every engine stopped answering"):
@@ -293,7 +294,7 @@ async def _keep_pause_round(engine: RemoteVLLMEngine, base: dict[str, torch.Tens
         frozen = engine.inflight()
         await asyncio.sleep(1.0)
         assert engine.inflight() == frozen, "tokens arrived while paused"
-        await engine.update_weights(WeightUpdate(version=old + 1, tensors=base))  # same weights, new version
+        await apply_update(engine, WeightUpdate(version=old + 1, tensors=base))  # same weights, new version
     finally:
         await engine.resume()
     samples = await asyncio.wait_for(task, 60)
@@ -359,7 +360,7 @@ async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf
 
     await engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
-        await engine.update_weights(WeightUpdate(version=2, tensors=state_dict_for_engine(learner)))
+        await apply_update(engine, WeightUpdate(version=2, tensors=state_dict_for_engine(learner)))
     finally:
         await engine.resume()
     assert engine.version == 2
@@ -375,7 +376,7 @@ async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf
     bad = dict(state_dict_for_engine(hf_model))
     bad["model.norm.weight"] = torch.ones(3)
     with pytest.raises(WeightUpdateError, match="model.norm.weight"):
-        await engine.update_weights(WeightUpdate(version=3, tensors=bad))
+        await apply_update(engine, WeightUpdate(version=3, tensors=bad))
     assert engine.version == 2
     assert await engine.prompt_logprobs(SEQS[0]) == after[0]
 
@@ -399,7 +400,7 @@ async def test_pool_spreads_requests_and_updates_every_member(
         learner = _perturbed(hf_model, seed=2)
         await pool.pause(PauseMode.KEEP, clear_cache=True)
         try:
-            await pool.update_weights(WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
+            await apply_update(pool, WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
         finally:
             await pool.resume()
         assert pool.version == 7 and all(m.version == 7 for m in members)
@@ -413,8 +414,9 @@ async def test_pool_spreads_requests_and_updates_every_member(
 @aio
 async def test_killed_server_is_detected_and_dropped(server_a: ServerProcess, server_b: ServerProcess,
                                                      model_dir: Path) -> None:
-    a = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir), name="a")
-    b = await RemoteVLLMEngine.connect(_cfg(server_b, model_dir), name="b")
+    # Dead = 3 failed probes in a row, 0.2 s apart here: about 0.4 s per check once the server is gone.
+    a = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir, health_retry_s=0.2), name="a")
+    b = await RemoteVLLMEngine.connect(_cfg(server_b, model_dir, health_retry_s=0.2), name="b")
     strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
     try:
         await strict.check_alive()
@@ -465,7 +467,7 @@ async def test_nccl_transport_publishes_weights(model_dir: Path, hf_model: torch
                 await engine.pause(PauseMode.KEEP, clear_cache=True)
                 try:
                     t1 = time.perf_counter()
-                    await engine.update_weights(WeightUpdate(version=version, tensors=tensors))
+                    await apply_update(engine, WeightUpdate(version=version, tensors=tensors))
                     t2 = time.perf_counter()
                 finally:
                     await engine.resume()

@@ -31,7 +31,8 @@ from asyncrl.checkpoint import CheckpointConfig, Checkpointer, checkpoint_hook, 
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.pipeline import Pipeline
 from asyncrl.actors.producer import Producer
-from asyncrl.queues.rollout_queue import SEEN_IDS_LIMIT, RolloutQueue
+from asyncrl.queues import rollout_queue as queue_module
+from asyncrl.queues.rollout_queue import SEEN_IDS_LIMIT
 from asyncrl.recipes import grpo_pipeline
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "soak_cpu.json"
@@ -91,14 +92,14 @@ class MemoryProbe:
         children = sum(_rss(p) for p in me.children(recursive=True))
         rss = _rss(me) - tracemalloc.get_tracemalloc_memory()  # tracemalloc's traces are not the program's
         self.marks[step] = Mark(step, time.perf_counter(), rss / 2**20, children / 2**20,
-                                tracemalloc.get_traced_memory()[0] / 2**20, self.pipe.queue.ledger.queued,
+                                tracemalloc.get_traced_memory()[0] / 2**20, self.pipe.receiver.counters.queued,
                                 tracemalloc.take_snapshot())
 
 
 def cache_filters() -> list[tracemalloc.Filter]:
     """tracemalloc filters matching the queue's de-dup cache: its dict entries and the group ids it keeps."""
     filters = []
-    for func, needle in ((RolloutQueue._accept, "self._seen_ids[group.group_id]"),
+    for func, needle in ((queue_module._State.accept, "self.seen_ids[group.group_id]"),
                          (Producer.produce_one, "group_id = ")):
         lines, start = inspect.getsourcelines(func)
         line = start + next(i for i, text in enumerate(lines) if needle in text)
@@ -145,8 +146,8 @@ async def soak(kind: str, pipe: Pipeline, steps: int, warmup: int, ckpt_dir: Pat
         traced_growth_outside_cache_mib=round(traced_growth_mib(a.snapshot, b.snapshot, cache=False), 3),
         cache_growth_mib=round(traced_growth_mib(a.snapshot, b.snapshot, cache=True), 3),
         cache_bound_mib=round(seen * SEEN_ID_BYTES / 2**20, 3), seen_ids_growth=seen,
-        max_depth=pipe.queue.stats.max_depth, capacity=pipe.queue.config.capacity, unaccounted=stats.unaccounted,
-        leaked_tasks=leaked, checkpoints=ckpt.stats.saves, dropped=stats.dropped,
+        max_depth=pipe.receiver.statistics().max_depth, capacity=pipe.receiver.config.capacity, unaccounted=stats.unaccounted,
+        leaked_tasks=leaked, checkpoints=ckpt.counters.saves, dropped=stats.dropped,
         top_growth=[str(s) for s in b.snapshot.compare_to(a.snapshot, "lineno")[:6]],
     )
 
@@ -174,6 +175,8 @@ def save_figures(fig: Figures) -> None:
 
 
 class SmallLoss:
+    min_group_size = 1
+
     def compute(self, model, groups):
         x = torch.tensor([[float(t) for t in (g.prompt.token_ids * 4)[:4]] for g in groups])
         y = torch.tensor([sum(r.reward for r in g.rollouts) for g in groups])
@@ -226,7 +229,6 @@ async def vllm_soak(engine, model_dir, tokenizer, steps: int, warmup: int, ckpt_
 
     pipe = grpo_pipeline(engine, load_hf_model(model_dir), prompts(), reward, cfg, pad_id=tokenizer.pad_token_id,
                          close_engine=False)
-    pipe.learner.version = engine.version  # the session engine may have synced before
     # Start the engine's own long-lived tasks (vLLM's output handler) before the task baseline is taken.
     await engine.generate((5, 6, 7), SamplingConfig(n=1, max_tokens=1), request_id="soak-warmup")
     return await soak("vllm", pipe, steps, warmup, ckpt_dir, every)

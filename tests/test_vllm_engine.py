@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from asyncrl.algorithms.logprobs import completion_logprobs
-from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import WeightUpdate, WeightUpdateError
+from asyncrl import VersionClock, WeightSync
+from asyncrl.config import SamplingConfig, SyncConfig
+from asyncrl.engines.protocols import WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
-from tests.support import load_hf_model
+from tests.support import apply_update, load_hf_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -38,13 +39,9 @@ async def _first_token_seen(engine) -> None:
 
 async def _publish(engine, model) -> int:
     """Pause, load ``model``'s weights as the next version, resume. Returns the new version."""
-    version = engine.version + 1
-    await engine.pause(PauseMode.KEEP, clear_cache=True)
-    try:
-        await engine.update_weights(WeightUpdate(version, state_dict_for_engine(model)))
-    finally:
-        await engine.resume()
-    return version
+    timing = await WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP)).publish(
+        state_dict_for_engine(model))
+    return timing.version
 
 
 def _hf_logprobs(model, prompt, samples) -> list[torch.Tensor]:
@@ -90,7 +87,7 @@ async def test_logprob_parity_after_sync(vllm_engine, tiny_model_dir, tokenizer)
     fresh = await vllm_engine.generate(prompt, params, request_id="parity-fresh")
     after = _max_diff(learner, prompt, fresh)
     assert after < PARITY_ATOL, f"after sync the engine must match the learner: max diff {after}"
-    assert all(s.version_start == s.version_end == version for s in fresh)
+    assert all(s.oldest_version == s.newest_version == version for s in fresh)
 
 
 async def test_abort_pause_cuts_in_flight_samples(vllm_engine, tokenizer):
@@ -119,7 +116,7 @@ async def test_keep_pause_freezes_then_continues_under_new_version(vllm_engine, 
     await _first_token_seen(vllm_engine)
     await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
-        await vllm_engine.update_weights(WeightUpdate(old + 1, state_dict_for_engine(load_hf_model(tiny_model_dir))))
+        await apply_update(vllm_engine, WeightUpdate(old + 1, state_dict_for_engine(load_hf_model(tiny_model_dir))))
         assert not task.done(), "kept requests stay frozen while paused"
     finally:
         await vllm_engine.resume()
@@ -175,10 +172,10 @@ async def test_bad_updates_are_refused_and_version_stays(vllm_engine, tiny_model
     }
     for label, tensors in bad_cases.items():
         with pytest.raises(WeightUpdateError):
-            await vllm_engine.update_weights(WeightUpdate(version + 1, tensors))
+            await apply_update(vllm_engine, WeightUpdate(version + 1, tensors))
         assert vllm_engine.version == version, label
     [s] = await vllm_engine.generate(_prompt(tokenizer), SamplingConfig(n=1, max_tokens=4), request_id="after-bad")
-    assert s.version_end == version
+    assert s.newest_version == version
 
 
 async def test_queue_readers_nap_instead_of_spinning_on_cpu(vllm_engine, tokenizer):

@@ -1,7 +1,8 @@
 """Actors: producers (generate and score), the learner (train and publish), and weight sync."""
 
 from asyncrl.actors.learner import Learner, StepResult
-from asyncrl.actors.producer import InvalidGroupError, Producer, RewardFn
+from asyncrl.actors.producer import GroupSink, Producer
+from asyncrl.actors.rewards import RewardFn
 from asyncrl.actors.weight_sync import WeightSync
 
-__all__ = ["InvalidGroupError", "Learner", "Producer", "RewardFn", "StepResult", "WeightSync"]
+__all__ = ["GroupSink", "Learner", "Producer", "RewardFn", "StepResult", "WeightSync"]

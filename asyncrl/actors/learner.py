@@ -2,8 +2,8 @@
 
 The forward/backward pass runs in the learner's own thread so the event loop keeps streaming rollouts while
 the model trains (one thread: the same thread-local torch state every step, and a niceness that applies to
-training alone). The learner owns the weight version: it starts at ``version`` and becomes ``version + 1``
-only once a publication fully succeeded.
+training alone). Versions belong to the ``VersionClock`` that its ``WeightSync`` commits to: ``version`` is the
+one the engines serve, ``policy_version`` the one being trained (ahead while a publication is in flight).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -25,8 +26,9 @@ from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import Loss, SkipsInertGroups
 from asyncrl.config import LearnerConfig
 from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
-from asyncrl.queues.rollout_queue import QueueClosed, RolloutQueue
+from asyncrl.queues.rollout_queue import RolloutReceiver
 from asyncrl.types import DropReason, RolloutGroup, SyncTiming
 
 log = logging.getLogger(__name__)
@@ -44,19 +46,18 @@ class StepResult:
 
 
 class Learner:
-    """Consumes the queue, trains ``model`` with ``loss``, publishes weights through ``weight_sync``."""
+    """Consumes the queue's receiving end, trains ``model`` with ``loss``, publishes through ``weight_sync``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Loss,
-                 queue: RolloutQueue, weight_sync: WeightSync, config: LearnerConfig | None = None,
-                 monitor: Monitor | None = None, version: int = 0, step: int = 0) -> None:
+                 receiver: RolloutReceiver, weight_sync: WeightSync, config: LearnerConfig | None = None,
+                 monitor: Monitor | None = None, step: int = 0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss = loss
-        self.queue = queue
+        self.receiver = receiver
         self.weight_sync = weight_sync
         self.config = config or LearnerConfig()
         self.monitor = monitor or NullMonitor()
-        self.version = version  # weights the engine samples with (and the learner's, after a sync)
         self.step = step  # optimiser steps taken
         self.samples_trained = 0  # rollouts that reached the loss
         self.train_s = 0.0  # total time in optimiser steps (seconds)
@@ -65,16 +66,34 @@ class Learner:
         # The training thread, made on first use. Dropping the learner lets its idle thread exit.
         self._thread: ThreadPoolExecutor | None = None
 
-    async def run(self, steps: int) -> None:
-        """Train until ``self.step == steps``; the last publication has landed when this returns."""
+    @property
+    def version(self) -> int:
+        """The version the engines serve (the last publication that landed)."""
+        return self.weight_sync.clock.served
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights being trained: ``version``, or the one being published in the
+        background (``sync.overlap``). Staleness is measured against it."""
+        return self.weight_sync.clock.policy
+
+    async def run(self, steps: int | None) -> None:
+        """Train until ``self.step == steps`` (None: until every producer is done and the queue is drained).
+        The last publication has landed when this returns.
+
+        Raises ``NoProgressError`` when the queue ends before ``steps``, or no batch comes for
+        ``stall_timeout_s``."""
         try:
-            while self.step < steps:
+            while steps is None or self.step < steps:
                 t0 = time.perf_counter()
                 try:
-                    batch = await self.queue.get_batch(self.config.batch_groups, self.policy_version)
-                except QueueClosed as exc:
-                    log.warning("learner stopping after %d of %d steps: %s", self.step, steps, exc)
-                    break
+                    batch = await self._next_batch(steps)
+                except EndOfRollouts:
+                    if steps is None:
+                        break
+                    raise NoProgressError(f"the rollout queue ended after {self.step} of {steps} steps: every "
+                                          f"producer finished; group drops: "
+                                          f"{self.receiver.counters.describe_drops()}") from None
                 wait_s = time.perf_counter() - t0
                 result = await self.train_and_publish(batch)
                 await self.report(result, extra={"learner/wait_s": wait_s})
@@ -85,13 +104,18 @@ class Learner:
                 await asyncio.gather(self._publishing, return_exceptions=True)
                 self._publishing = None
 
-    @property
-    def policy_version(self) -> int:
-        """The version of the weights the learner trains now: ``version``, or ``version + 1`` while they are
-        being published in the background (``sync.overlap``). Staleness is measured against it, so a group
-        sampled after that publication landed is 0 steps old, never -1."""
-        pending = self._publishing is not None and not self._publishing.done()
-        return self.version + 1 if pending else self.version
+    async def _next_batch(self, steps: int | None) -> list[RolloutGroup]:
+        limit = self.config.stall_timeout_s
+        try:
+            async with asyncio.timeout(None if math.isinf(limit) else limit):
+                return await self.receiver.receive_batch(self.config.batch_groups)
+        except TimeoutError:
+            stats = self.receiver.statistics()
+            raise NoProgressError(
+                f"no batch of {self.config.batch_groups} groups for stall_timeout_s={limit}s after "
+                f"{self.step} of {steps if steps is not None else 'all'} steps: queue depth {stats.depth}, "
+                f"{stats.open_senders} producers open, group drops: {self.receiver.counters.describe_drops()}"
+            ) from None
 
     async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepResult:
         """One optimiser step on ``batch``, then a publication if this step is a sync step."""
@@ -100,13 +124,13 @@ class Learner:
         try:
             metrics = await self._in_thread(self._train_step, batch)
         except BaseException:
-            self.queue.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            self.receiver.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
             raise
         train_s = time.perf_counter() - t0
         self.step += 1
         self.train_s += train_s
         self.samples_trained += sum(len(g.rollouts) for g in batch)
-        self.queue.ledger.trained += len(batch)
+        self.receiver.counters.trained += len(batch)
         metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness_batch_max"] = max(staleness)
         timing = None
@@ -114,10 +138,10 @@ class Learner:
             timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())
         return StepResult(self.step, metrics, train_s, timing)
 
-    async def publish(self) -> SyncTiming:
-        """Publish the current weights and wait until the engine serves them."""
+    async def publish(self, version: int | None = None) -> SyncTiming:
+        """Publish the current weights (as ``version``, default the next one) and wait until they are served."""
         await self.flush()
-        return await self._publish(state_dict_for_engine(self.model))
+        return await self.weight_sync.publish(state_dict_for_engine(self.model), version)
 
     async def flush(self) -> SyncTiming | None:
         """Wait for the background publication, if any; returns its timing (raises its error)."""
@@ -129,13 +153,8 @@ class Learner:
         # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
         previous = await self.flush()
         snapshot = await self._in_thread(_snapshot, self.model)  # a copy of every weight: off the event loop
-        self._publishing = asyncio.create_task(self._publish(snapshot), name="learner-publish")
+        self._publishing = self.weight_sync.start(snapshot)
         return previous
-
-    async def _publish(self, tensors: Mapping[str, torch.Tensor]) -> SyncTiming:
-        timing = await self.weight_sync.publish(tensors, self.version + 1)
-        self.version += 1
-        return timing
 
     async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
         if self._thread is None:
@@ -200,8 +219,8 @@ class Learner:
         metrics.update(extra or {})
         metrics["learner/version"] = self.version
         metrics["learner/train_s"] = result.train_s
-        metrics.update(self.queue.metrics())
-        metrics.update(self.queue.ledger.as_metrics())
+        metrics.update(self.receiver.metrics())
+        metrics.update(self.receiver.counters.metrics())
         metrics.update(self.weight_sync.metrics())
         for hook in self.hooks:
             maybe = hook(result.step, metrics)
@@ -228,7 +247,7 @@ def _batch_gauges(batch: Sequence[RolloutGroup], active: Sequence[RolloutGroup],
     scored = sum(len(g.rollouts) for g in active)
     gauges = {
         "train/reward_mean": sum(r.reward for g in batch for r in g.rollouts) / total,
-        "train/completion_len_mean": sum(len(r.completion_ids) for g in batch for r in g.rollouts) / total,
+        "train/completion_len_mean": sum(len(r.sample.token_ids) for g in batch for r in g.rollouts) / total,
         "train/inert_groups_frac": 1 - len(active) / len(batch),
     }
     gauges["train/adv_abs_mean"] = loss_metrics.get("train/adv_abs_mean", 0.0) * scored / total  # inert: 0

@@ -1,8 +1,9 @@
-"""The producer actor: prompts -> engine -> scored, version-tagged rollout groups -> queue.
+"""The producer actor: prompts -> sampler -> scored, version-tagged rollout groups -> sink.
 
-Each producer keeps at most ``max_inflight_groups`` groups in flight. A group is put into the sink (a local
-``RolloutQueue`` or a ``RemoteQueueClient``) only when all its samples are finished and scored; putting
-waits while the queue is full, which is how backpressure reaches generation.
+Each producer keeps at most ``max_inflight_groups`` groups in flight. A group is sent to the sink (its own end
+of a local rollout queue, or a ``RemoteQueueClient``) only when all its samples are finished and scored;
+sending waits while the queue is full, which is how backpressure reaches generation. The producer never
+closes its sink: whoever gave it one closes it when the producer's task ends.
 
 Abort pauses: samples cut by an ``abort`` pause finish with ``FinishReason.ABORT``. With
 ``AbortPolicy.RESUBMIT`` (default) just those samples are sampled again (they wait in the engine until it
@@ -12,27 +13,30 @@ resumes, so they come from the new weights); with ``AbortPolicy.DROP`` the group
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import math
-import numbers
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+from asyncrl.actors.rewards import RewardFn, RewardRejected, RewardScorer
 from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
+from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
-from asyncrl.engines.base import Engine, PromptRejected
-from asyncrl.ledger import GroupLedger
-from asyncrl.queues.rollout_queue import QueueClosed
-from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
+from asyncrl.engines.protocols import PromptRejected, Sampler
+from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed
+from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[Prompt, Sample], "float | Awaitable[float]"]
+__all__ = ["GroupSink", "Producer", "ProducerCounters", "RewardFn"]
 
 
-class InvalidGroupError(RuntimeError):
-    """A group was invalid and the producer is configured to fail fast (``InvalidGroupPolicy.FAIL``)."""
+class GroupSink(Protocol):
+    """Where a producer ships finished groups: a ``RolloutSender`` or a ``RemoteQueueClient``."""
+
+    async def send(self, group: RolloutGroup) -> bool:
+        """Store ``group``, waiting while the sink is full. False if its id was already stored. Raises
+        ``QueueClosed`` once the receiving side is closed."""
+        ...
 
 
 class _Drop(Exception):
@@ -42,37 +46,38 @@ class _Drop(Exception):
 
 
 @dataclass(slots=True)
-class ProducerStats:
-    groups: int = 0  # groups put into the sink
+class ProducerCounters:
+    groups: int = 0  # groups sent to the sink
     samples: int = 0  # samples in those groups
     tokens: int = 0  # completion tokens in those groups
     resubmitted: int = 0  # abort-cut samples sampled again
-    duplicates: int = 0  # puts the sink reported as already stored
+    duplicates: int = 0  # sends the sink reported as already stored
+    drops_in_a_row: int = 0  # groups dropped as invalid since the last one sent
 
 
 class Producer:
     """Samples a group per prompt, scores it with ``reward_fn`` (sync or async) and ships it to ``sink``."""
 
-    def __init__(self, engine: Engine, prompts: PromptSource, reward_fn: RewardFn, sink: object,
-                 config: ProducerConfig | None = None, ledger: GroupLedger | None = None,
+    def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn, sink: GroupSink,
+                 config: ProducerConfig | None = None, group_counters: GroupCounters | None = None,
                  name: str = "producer") -> None:
-        self.engine = engine
+        self.sampler = sampler
         self.prompts = prompts
-        self.reward_fn = reward_fn
-        self.sink = sink  # anything with ``async put(group) -> bool`` (see asyncrl.queues.remote.GroupSink)
+        self.sink = sink
         self.config = config or ProducerConfig()
-        self.ledger = ledger if ledger is not None else GroupLedger()
+        self.scorer = RewardScorer(reward_fn, self.config)
+        # The pipeline's group accounting (shared with the queue); drops before the queue are counted here.
+        self.group_counters = group_counters if group_counters is not None else GroupCounters()
         self.name = name
-        self.stats = ProducerStats()
+        self.counters = ProducerCounters()
         self.in_flight = 0  # groups being generated or scored right now
 
     async def run(self) -> None:
-        """Produce until the prompt source is exhausted or the task is cancelled."""
+        """Produce until the prompt source is exhausted, the sink is closed, or the task is cancelled."""
         try:
             async with asyncio.TaskGroup() as tg:
                 # One long-lived worker per in-flight slot, not a task per group: the same bound and the
-                # same cancellation (every group runs inside a task of this group), without creating,
-                # scheduling and reaping a task and taking a semaphore slot for every group.
+                # same cancellation, without creating and reaping a task for every group.
                 for slot in range(self.config.max_inflight_groups):
                     tg.create_task(self._work(), name=f"{self.name}-slot{slot}")
         except* QueueClosed:
@@ -89,9 +94,11 @@ class Producer:
         self.in_flight += 1
         try:
             await self.produce_one(index, prompt)
-        except asyncio.CancelledError:
-            # Shutdown or a failure elsewhere: this group never reaches the queue; count it.
-            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, queued=False)
+        except NoProgressError:
+            raise  # raised after this group was counted as dropped
+        except BaseException:
+            # Shutdown, a closed queue, or a failure elsewhere: this group never reaches the queue; count it.
+            self.group_counters.drop(DropReason.UNUSED_AT_SHUTDOWN, queued=False)
             raise
         finally:
             self.in_flight -= 1
@@ -103,81 +110,66 @@ class Producer:
             group = await self._build_group(group_id, prompt)
         except _Drop as drop:
             return self._drop(group_id, drop)
-        stored = await self.sink.put(group)  # type: ignore[attr-defined]
-        self.stats.groups += 1
-        self.stats.samples += len(group.rollouts)
-        self.stats.tokens += group.num_tokens
-        self.stats.duplicates += 0 if stored else 1
+        stored = await self.sink.send(group)
+        c = self.counters
+        c.groups += 1
+        c.samples += len(group.rollouts)
+        c.tokens += group.num_tokens
+        c.duplicates += 0 if stored else 1
+        c.drops_in_a_row = 0
         return group
 
     def _drop(self, group_id: str, drop: _Drop) -> None:
         if self.config.on_invalid is InvalidGroupPolicy.FAIL and drop.reason is not DropReason.ABORTED:
             raise InvalidGroupError(f"{self.name}: group {group_id} invalid ({drop.reason.value}): {drop}")
         log.warning("%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
-        self.ledger.drop(drop.reason, queued=False)
+        self.group_counters.drop(drop.reason, queued=False)
+        self.counters.drops_in_a_row += 1
+        if self.counters.drops_in_a_row >= self.config.max_consecutive_drops:
+            raise NoProgressError(
+                f"{self.name}: the last {self.counters.drops_in_a_row} groups were all dropped, nothing trainable "
+                f"is coming (last: {drop.reason.value}: {drop}); drops so far: "
+                f"{self.group_counters.describe_drops()} (ProducerConfig.max_consecutive_drops)")
         return None
 
     async def _build_group(self, group_id: str, prompt: Prompt) -> RolloutGroup:
         self._check_prompt(prompt)
-        version_at_submit = self.engine.version
         samples = await self._sample_all(group_id, prompt)
-        rollouts = []  # a plain loop: an async comprehension would cost a frame per group
-        for sample in samples:
-            reward = await self._score(prompt, sample)
-            rollouts.append(_rollout(group_id, prompt, sample, reward, version_at_submit))
-        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=tuple(rollouts))
+        try:
+            rewards = await self.scorer.score(prompt, samples)
+        except RewardRejected as exc:
+            raise _Drop(exc.reason, str(exc)) from exc
+        rollouts = tuple(Rollout(s, r) for s, r in zip(samples, rewards))
+        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if not prompt.token_ids:
             raise _Drop(DropReason.EMPTY_PROMPT, f"prompt {prompt.prompt_id!r} has no tokens")
-        if len(prompt.token_ids) >= self.engine.max_model_len:
+        if len(prompt.token_ids) >= self.sampler.max_model_len:
             raise _Drop(DropReason.PROMPT_TOO_LONG, f"prompt {prompt.prompt_id!r} has {len(prompt.token_ids)} "
-                                                    f"tokens; the engine's context is {self.engine.max_model_len}")
+                                                    f"tokens; the engine's context is {self.sampler.max_model_len}")
 
     async def _sample_all(self, group_id: str, prompt: Prompt) -> list[Sample]:
         params = self.config.sampling
         try:
-            samples = await self.engine.generate(prompt.token_ids, params, request_id=group_id)
+            samples = await self.sampler.generate(prompt.token_ids, params, request_id=group_id)
             for attempt in range(1, self.config.max_resubmits + 2):
                 cut = [i for i, s in enumerate(samples) if s.finish_reason is FinishReason.ABORT]
                 if not cut:
                     return samples
                 if self.config.on_abort is AbortPolicy.DROP or attempt > self.config.max_resubmits:
                     raise _Drop(DropReason.ABORTED, f"{len(cut)} of {len(samples)} samples cut by an abort pause")
-                self.stats.resubmitted += len(cut)
-                again = await self.engine.generate(prompt.token_ids, params, request_id=f"{group_id}/r{attempt}",
-                                                   n=len(cut))
+                self.counters.resubmitted += len(cut)
+                again = await self.sampler.generate(prompt.token_ids, params, request_id=f"{group_id}/r{attempt}",
+                                                    n=len(cut))
                 for i, s in zip(cut, again):
                     samples[i] = s
         except PromptRejected as exc:
             raise _Drop(DropReason.PROMPT_TOO_LONG, str(exc)) from exc
         raise AssertionError("unreachable")
 
-    async def _score(self, prompt: Prompt, sample: Sample) -> float:
-        try:
-            value = self.reward_fn(prompt, sample)
-            if type(value) is not float and inspect.isawaitable(value):  # a float, the usual, is not
-                value = await value
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _Drop(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
-        return _checked_reward(value)
-
-
-def _checked_reward(value: object) -> float:
-    if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise _Drop(DropReason.REWARD_INVALID, f"reward function returned {value!r}, not a finite number")
-    return float(value)
-
-
-def _rollout(group_id: str, prompt: Prompt, sample: Sample, reward: float, version_at_submit: int) -> Rollout:
-    # A sample with no tokens has no spans; its (empty) output belongs to the version it was submitted under.
-    spans = sample.version_spans or (VersionSpan(version_at_submit, 0, 0),)
-    return Rollout(
-        group_id=group_id, prompt_ids=prompt.token_ids, completion_ids=sample.token_ids,
-        behaviour_logprobs=sample.logprobs, reward=reward, finish_reason=sample.finish_reason,
-        version_spans=spans, version_start=spans[0].version, version_end=spans[-1].version, text=sample.text,
-    )
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        return {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
+                "producer/resubmitted": c.resubmitted, "producer/in_flight": self.in_flight,
+                "producer/reward_overrunning": self.scorer.overrunning}

@@ -1,7 +1,14 @@
-"""Publishing the learner's weights into the engine: lock -> pause -> update -> finally resume.
+"""Publishing the learner's weights into a weight target: lock -> prepare -> pause -> load -> resume.
 
-The version moves only when the update fully succeeded; resume always runs, shielded from cancellation, so a
-failed or cancelled sync never leaves generation paused.
+The guarantees, whatever happens and whenever the caller is cancelled:
+
+- resume always runs after a pause was asked for, and ``publish`` returns (or raises) only once it has, so a
+  failed or cancelled publication never leaves generation paused;
+- the load and the version commit form one uncancellable step: a cancellation that arrives during the load
+  waits for it (milliseconds to a second), so the ``VersionClock`` and the engine never disagree;
+- a cancellation is always re-raised as ``CancelledError``, never wrapped.
+
+Preparing (validation and staging) and a ``wait`` pause stay cancellable: nothing is applied yet.
 """
 
 from __future__ import annotations
@@ -11,71 +18,112 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
+from asyncrl.aio import settle
 from asyncrl.config import SyncConfig
-from asyncrl.engines.base import Engine, PreparesUpdates, WeightUpdate
+from asyncrl.engines.protocols import WeightTarget, WeightUpdate
 from asyncrl.types import SyncTiming
+from asyncrl.versions import VersionClock
 
 log = logging.getLogger(__name__)
 
 
-class WeightSync:
-    """Serialises weight publications to one engine (or an engine pool)."""
+@dataclass(slots=True)
+class SyncCounters:
+    published: int = 0  # successful publications
+    failures: int = 0  # publications that failed or were cancelled
+    paused_s: float = 0.0  # total time generation was paused for the successful ones (seconds)
 
-    def __init__(self, engine: Engine, config: SyncConfig) -> None:
-        self.engine = engine
+
+class WeightSync:
+    """Serialises publications to one weight target (an engine or an ``EnginePool``) and owns the version
+    commit on the ``VersionClock``."""
+
+    def __init__(self, target: WeightTarget, clock: VersionClock, config: SyncConfig) -> None:
+        self.target = target
+        self.clock = clock
         self.config = config
         self._lock = asyncio.Lock()
         self.history: deque[SyncTiming] = deque(maxlen=1000)  # recent successful publications
-        self.count = 0  # successful publications
-        self.total_s = 0.0  # total time generation was paused for them (seconds)
-        self.failures = 0
+        self.counters = SyncCounters()
 
-    async def publish(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncTiming:
-        """Make ``tensors`` the engine's weights, tagged ``version``. Raises if the update failed."""
-        mode, clear = self.config.mode, self.config.clear_cache
+    async def publish(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> SyncTiming:
+        """Make ``tensors`` the target's weights as ``version`` (default: the served version + 1), after any
+        publication in flight. Raises ``WeightUpdateError`` (nothing applied), ``EngineError``, or
+        ``CancelledError``."""
         async with self._lock:
-            t_prep = time.perf_counter()
-            update = await self._prepare(WeightUpdate(version=version, tensors=tensors))
-            t0 = time.perf_counter()
-            try:
-                await self.engine.pause(mode, clear)
-                t1 = time.perf_counter()
-                try:
-                    await self.engine.update_weights(update)
-                    t2 = time.perf_counter()
-                finally:
-                    t_resume = time.perf_counter()
-                    await asyncio.shield(self.engine.resume())
-                    t3 = time.perf_counter()
-            except BaseException:
-                self.failures += 1
-                if isinstance(self.engine, PreparesUpdates):
-                    self.engine.discard_update(update)
-                raise
-        timing = SyncTiming(version=version, pause_s=t1 - t0, transfer_s=t2 - t1, resume_s=t3 - t_resume,
-                            total_s=t3 - t0, mode=mode, clear_cache=clear, prepare_s=t0 - t_prep)
+            version = self.clock.served + 1 if version is None else version
+            self.clock.begin(version)
+            return await self._begun(WeightUpdate(version=version, tensors=tensors))
+
+    def start(self, tensors: Mapping[str, torch.Tensor]) -> asyncio.Task[SyncTiming]:
+        """Begin publishing the next version in the background and return its task. The clock's policy version
+        moves now, not when the task first runs, so staleness is judged against these weights at once.
+        Raises ``RuntimeError`` if a publication is in flight."""
+        if self._lock.locked() or self.clock.pending is not None:
+            raise RuntimeError("a publication is already in flight; await it first")
+        update = WeightUpdate(version=self.clock.served + 1, tensors=tensors)
+        self.clock.begin(update.version)
+
+        async def run() -> SyncTiming:
+            async with self._lock:
+                return await self._begun(update)
+
+        task = asyncio.create_task(run(), name=f"publish-v{update.version}")
+        task.add_done_callback(lambda _: self.clock.abandon(update.version))  # cancelled before it ran
+        return task
+
+    async def _begun(self, update: WeightUpdate) -> SyncTiming:
+        try:
+            timing = await self._publish(update)
+        except BaseException:
+            self.counters.failures += 1
+            raise
+        finally:
+            self.clock.abandon(update.version)  # no-op once committed
         self.history.append(timing)
-        self.count += 1
-        self.total_s += timing.total_s
-        log.info("published v%d: pause %.3fs transfer %.3fs resume %.3fs", version, timing.pause_s,
+        self.counters.published += 1
+        self.counters.paused_s += timing.total_s
+        log.info("published v%d: pause %.3fs transfer %.3fs resume %.3fs", update.version, timing.pause_s,
                  timing.transfer_s, timing.resume_s)
         return timing
 
-    async def _prepare(self, update: WeightUpdate) -> WeightUpdate:
-        # Checks and serialisation happen before the pause, so generation stops only for the load.
-        if isinstance(self.engine, PreparesUpdates):
-            return await self.engine.prepare_update(update)
-        return update
+    async def _publish(self, update: WeightUpdate) -> SyncTiming:
+        mode, clear = self.config.mode, self.config.clear_cache
+        t_prep = time.perf_counter()
+        update = await self.target.prepare(update)
+        try:
+            t0 = time.perf_counter()
+            try:
+                await self.target.pause(mode, clear)
+            except BaseException:  # the pause may have taken effect before it was cut short
+                await settle(self.target.resume(), "resume after a failed pause")
+                raise
+            t1 = time.perf_counter()
+            try:
+                await settle(self._load(update), f"loading version {update.version}")
+            finally:
+                t2 = time.perf_counter()
+                await settle(self.target.resume(), "resume after loading")
+            t3 = time.perf_counter()
+        finally:
+            self.target.release(update)
+        return SyncTiming(version=update.version, pause_s=t1 - t0, transfer_s=t2 - t1, resume_s=t3 - t2,
+                          total_s=t3 - t0, mode=mode, clear_cache=clear, prepare_s=t0 - t_prep)
+
+    async def _load(self, update: WeightUpdate) -> None:
+        await self.target.load(update)
+        self.clock.commit(update.version)
 
     def metrics(self) -> dict[str, float]:
-        if not self.history:
-            return {"sync/count": 0, "sync/failures": self.failures}
-        last = self.history[-1]
-        return {
-            "sync/count": self.count, "sync/failures": self.failures, "sync/pause_s": last.pause_s,
-            "sync/transfer_s": last.transfer_s, "sync/prepare_s": last.prepare_s, "sync/resume_s": last.resume_s,
-            "sync/total_s": last.total_s,
-        }
+        c = self.counters
+        out: dict[str, float] = {"sync/count": c.published, "sync/failures": c.failures}
+        if self.history:
+            last = self.history[-1]
+            out.update({"sync/pause_s": last.pause_s, "sync/transfer_s": last.transfer_s,
+                        "sync/prepare_s": last.prepare_s, "sync/resume_s": last.resume_s,
+                        "sync/total_s": last.total_s})
+        return out

@@ -1,7 +1,7 @@
 """The policy loss: a clipped surrogate on a proximal policy, corrected for stale behaviour samples.
 
 Three policies meet here. The *behaviour* policy sampled the tokens (an engine holding weights that may be
-several versions old; its log-probs travel in ``Rollout.behaviour_logprobs``). The *proximal* policy is the
+several versions old; its log-probs travel in ``Sample.logprobs``). The *proximal* policy is the
 anchor of the trust region: the learner's weights at the start of the optimiser step, detached. The
 *current* policy is the one being differentiated. Following AReaL's decoupled objective, the ratio that is
 clipped compares current with proximal, so the trust region is measured from weights the learner actually
@@ -85,6 +85,10 @@ class LossOutput:
 
 class Loss(Protocol):
     """A training objective over rollout groups."""
+
+    # Samples per group below which the loss has nothing to learn from (GRPO: 2, a baseline needs company).
+    # The pipeline refuses a ``SamplingConfig.n`` below it.
+    min_group_size: int
 
     def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
         """Score ``groups`` under ``model`` and return a loss to backpropagate. Called by the learner once
@@ -227,6 +231,8 @@ def _check_shapes(
 class GRPOLoss:
     """GRPO / RLOO / Dr. GRPO advantages under the decoupled objective; implements ``Loss``."""
 
+    min_group_size = 2  # a single sample has no group baseline: its advantage is 0 and nothing is learned
+
     def __init__(self, cfg: LossConfig, *, pad_id: int = 0, ref_model: torch.nn.Module | None = None) -> None:
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("LossConfig.kl_coef > 0 needs a ref_model")
@@ -244,13 +250,13 @@ class GRPOLoss:
         the importance weight still corrects for staleness).
         """
         rollouts = _rollouts_of(groups)
-        prompts = [r.prompt_ids for r in rollouts]
-        completions = [r.completion_ids for r in rollouts]
+        prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
+        completions = [r.sample.token_ids for r in rollouts]
         scored = completion_logprobs(model, prompts, completions, temperature=self.cfg.temperature,
                                      pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0)
         device = scored.logprobs.device
         advantages = self.advantages(groups).to(device)
-        behaviour = _padded([r.behaviour_logprobs for r in rollouts], scored.mask.shape[1], device)
+        behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, advantages, scored.mask, self.cfg,
                                     ref_logp=self._ref_logprobs(prompts, completions), entropy=scored.entropy)
@@ -302,5 +308,5 @@ def _batch_metrics(rollouts: Sequence[Rollout], advantages: Tensor) -> dict[str,
     return {
         "train/reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
         "train/adv_abs_mean": float(advantages.abs().mean()),
-        "train/completion_len_mean": sum(len(r.completion_ids) for r in rollouts) / len(rollouts),
+        "train/completion_len_mean": sum(len(r.sample.token_ids) for r in rollouts) / len(rollouts),
     }

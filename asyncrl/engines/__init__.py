@@ -1,5 +1,10 @@
-"""Engines behind one narrow Protocol: in-process vLLM, remote vLLM servers, a pool, and a fake."""
+"""Engines by role (``protocols``) and by transport: vLLM in this process (``vllm_local``), vLLM servers over
+HTTP (``vllm_remote``), an engine embedded in another service (``embedded``); plus a pool, a supervisor that
+restarts a dead engine, and an in-memory fake for tests."""
 
-from asyncrl.engines.base import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import (
+    Engine, EngineError, Lifecycle, PromptRejected, Sampler, WeightTarget, WeightUpdate, WeightUpdateError,
+)
 
-__all__ = ["Engine", "EngineError", "PromptRejected", "WeightUpdate", "WeightUpdateError"]
+__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "WeightTarget", "WeightUpdate",
+           "WeightUpdateError"]

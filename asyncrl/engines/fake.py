@@ -1,6 +1,6 @@
 """An in-memory engine for fast unit tests and the queue micro-benchmark.
 
-It follows the Engine Protocol's pause semantics: ``abort`` cuts in-flight samples, ``keep`` freezes them
+It plays all three engine roles and follows their pause semantics: ``abort`` cuts in-flight samples, ``keep`` freezes them
 until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
 once), each with log-prob ``logprob``.
 """
@@ -12,7 +12,7 @@ import functools
 from collections.abc import Mapping
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 
@@ -94,7 +94,8 @@ class FakeEngine:
 
     def _sample(self, tokens: list[int], starts: list[tuple[int, int]], reason: FinishReason) -> Sample:
         ids = tuple(tokens)
-        return Sample(ids, (self.logprob,) * len(ids), reason, _spans(starts, len(ids)), text=_text(ids))
+        spans = _spans(starts, len(ids)) if starts else (VersionSpan(self._version, 0, 0),)
+        return Sample(ids, (self.logprob,) * len(ids), reason, spans, text=_text(ids))
 
     def _enter(self) -> None:
         self._inflight += 1
@@ -115,12 +116,18 @@ class FakeEngine:
             await self._idle.wait()
             self._running.clear()
 
-    async def update_weights(self, update: WeightUpdate) -> None:
-        self._check_alive()
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         if any(not hasattr(t, "shape") for t in update.tensors.values()):
             raise WeightUpdateError("fake engine: every value must be a tensor")
+        return update
+
+    async def load(self, update: WeightUpdate) -> None:
+        self._check_alive()
         self.weights = dict(update.tensors)
         self._version = update.version
+
+    def release(self, update: WeightUpdate) -> None:
+        pass
 
     async def resume(self) -> None:
         self._running.set()

@@ -1,8 +1,9 @@
-"""The Engine Protocol over several engines: requests spread over the live ones, weight syncs reach all.
+"""All three engine roles over several engines: requests spread over the live ones, publications reach all.
 
-Generation goes to the least-loaded member (samples in flight), ties broken round-robin. ``pause``,
-``update_weights`` and ``resume`` run on every live member concurrently; each member's update is
-all-or-nothing on its own, and a failure names the members it happened on. A member that stops answering
+Generation goes to the least-loaded member (samples in flight), ties broken round-robin. ``prepare`` stages an
+update once, on the first member, and hands the staged copy to the others (members serving the same model on
+one host share one staging directory); ``pause``, ``load`` and ``resume`` then run on every live member
+concurrently. Each member's load is all-or-nothing on its own, and a failure names the members it happened on. A member that stops answering
 (``check_alive`` fails, or a generate fails and the member then fails ``check_alive``) is reported with an
 ``EngineError`` naming it, or, with ``drop_dead=True``, taken out of rotation for good with a warning and
 counted in ``metrics()``.
@@ -15,8 +16,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from asyncrl.aio import together
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import Engine, EngineError, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class EnginePool:
         self._members = [_Member(e) for e in engines]
         self._drop_dead = drop_dead
         self._turn = 0  # round-robin offset among equally loaded members
+        # Each member's own prepared form of an update, by version (released in ``release``).
+        self._prepared: dict[int, list[tuple[_Member, WeightUpdate]]] = {}
 
     @property
     def version(self) -> int:
@@ -114,11 +118,35 @@ class EnginePool:
     # -- weight publication ----------------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        failures = await self._on_all(lambda e: e.pause(mode, clear_cache))
+        failures = await self._on_all(lambda m: m.engine.pause(mode, clear_cache))
         self._raise_failures("pause", failures)
 
-    async def update_weights(self, update: WeightUpdate) -> None:
-        failures = await self._on_all(lambda e: e.update_weights(update))
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
+        """Stage once on the first live member, then let the others adopt (or redo) that staging."""
+        live = [m for m in self._members if m.alive]
+        if not live:
+            raise EngineError(self.name, "no engine left in rotation")
+        first = await self._prepare_on(live[0], update)
+        prepared = [(live[0], first)]
+        try:
+            rest = await together(*(self._prepare_on(m, first) for m in live[1:]))
+        except BaseException:
+            live[0].engine.release(first)
+            raise
+        prepared += list(zip(live[1:], rest))
+        self._prepared[update.version] = prepared
+        return first
+
+    async def _prepare_on(self, member: _Member, update: WeightUpdate) -> WeightUpdate:
+        try:
+            return await member.engine.prepare(update)
+        except WeightUpdateError as exc:
+            raise WeightUpdateError(f"{self.name}: update to version {update.version} refused by "
+                                    f"{[member.engine.name]} ({exc}); no member changed") from exc
+
+    async def load(self, update: WeightUpdate) -> None:
+        own = {id(m): u for m, u in self._prepared.get(update.version, [])}
+        failures = await self._on_all(lambda m: m.engine.load(own.get(id(m), update)))
         if not failures:
             return
         updated = [m.engine.name for m in self._members if m.alive and m.engine.version == update.version]
@@ -130,17 +158,21 @@ class EnginePool:
         self._raise_failures(f"update to version {update.version} (updated: {updated})", failures)
 
     async def resume(self) -> None:
-        failures = await self._on_all(lambda e: e.resume())
+        failures = await self._on_all(lambda m: m.engine.resume())
         self._raise_failures("resume", failures)
 
-    async def _on_all(self, op: Callable[[Engine], Awaitable[None]], *,
+    def release(self, update: WeightUpdate) -> None:
+        for member, own in self._prepared.pop(update.version, []):
+            member.engine.release(own)
+
+    async def _on_all(self, op: Callable[..., Awaitable[None]], *,
                       failure_means_dead: bool = False) -> list[tuple[_Member, BaseException]]:
-        """Run ``op`` on every live member concurrently; every member runs to the end whatever the others
+        """Run ``op(member)`` on every live member concurrently; every member runs to the end whatever the others
         do. Dead members are dropped (``drop_dead``); the other failures are returned."""
         live = [m for m in self._members if m.alive]
         if not live:
             raise EngineError(self.name, "no engine left in rotation")
-        results = await asyncio.gather(*(op(m.engine) for m in live), return_exceptions=True)
+        results = await asyncio.gather(*(op(m) for m in live), return_exceptions=True)
         failures = []
         for member, result in zip(live, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
@@ -163,7 +195,7 @@ class EnginePool:
 
     async def check_alive(self) -> None:
         """Check every live member at once. Dead ones are dropped (``drop_dead``) or reported."""
-        failures = await self._on_all(lambda e: e.check_alive(), failure_means_dead=True)
+        failures = await self._on_all(lambda m: m.engine.check_alive(), failure_means_dead=True)
         self._raise_failures("health check", failures)
 
     async def close(self) -> None:

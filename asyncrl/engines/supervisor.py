@@ -6,17 +6,20 @@ notices within its health interval). With it, the first caller to see the death 
 last published), and retries the failed call once. Requests that were in flight on the dead engine are
 sampled again on the new one, so their groups are not lost.
 
-Memory: the last update's tensors are kept as a CPU copy (one extra copy of the model).
+Memory: the last update's tensors are kept as a CPU copy (one extra copy of the model). The copy is made in a
+worker thread while preparing, before generation pauses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+
+import torch
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.base import Engine, EngineError, PreparesUpdates, WeightUpdate
+from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -36,7 +39,9 @@ class SupervisedEngine:
         self.restarts = 0
         self.name = f"supervised({inner.name})"
         self._lock = asyncio.Lock()
-        self._last_update: WeightUpdate | None = None
+        self._last_update: WeightUpdate | None = None  # CPU copy of the last loaded update
+        # Prepared updates by version: the member that prepared it, and a CPU copy for a replacement engine.
+        self._copies: dict[int, tuple[Engine, WeightUpdate]] = {}
         self._closed = False
 
     @classmethod
@@ -70,18 +75,26 @@ class SupervisedEngine:
     async def resume(self) -> None:
         await self._with_recovery(lambda e: e.resume())
 
-    async def update_weights(self, update: WeightUpdate) -> None:
-        await self._with_recovery(lambda e: e.update_weights(update))
-        self._last_update = WeightUpdate(update.version,
-                                         {k: v.detach().to("cpu", copy=True) for k, v in update.tensors.items()})
-
-    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         inner = self._inner
-        return await inner.prepare_update(update) if isinstance(inner, PreparesUpdates) else update
+        prepared = await inner.prepare(update)
+        try:
+            tensors = await asyncio.to_thread(_cpu_copy, update.tensors)
+        except BaseException:
+            inner.release(prepared)
+            raise
+        self._copies[update.version] = (inner, WeightUpdate(update.version, tensors))
+        return prepared
 
-    def discard_update(self, update: WeightUpdate) -> None:
-        if isinstance(self._inner, PreparesUpdates):
-            self._inner.discard_update(update)
+    async def load(self, update: WeightUpdate) -> None:
+        prepared_on, copy = self._copies[update.version]
+        # On the engine that prepared it, load as prepared; on a replacement, prepare the CPU copy first.
+        await self._with_recovery(lambda e: e.load(update) if e is prepared_on else _prepare_and_load(e, copy))
+        self._last_update = copy
+
+    def release(self, update: WeightUpdate) -> None:
+        prepared_on, _ = self._copies.pop(update.version, (self._inner, None))
+        prepared_on.release(update)
 
     async def check_alive(self) -> None:
         await self._with_recovery(lambda e: e.check_alive())
@@ -107,7 +120,7 @@ class SupervisedEngine:
             await self._close_quietly(failed)
             fresh = await self._factory()
             if self._last_update is not None:
-                await fresh.update_weights(self._last_update)
+                await _prepare_and_load(fresh, self._last_update)
             self._inner = fresh
             self.restarts += 1
             log.warning("engine restarted as %s at version %d", fresh.name, fresh.version)
@@ -122,3 +135,15 @@ class SupervisedEngine:
     async def close(self) -> None:
         self._closed = True
         await self._inner.close()
+
+
+def _cpu_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+async def _prepare_and_load(engine: Engine, update: WeightUpdate) -> None:
+    prepared = await engine.prepare(update)
+    try:
+        await engine.load(prepared)
+    finally:
+        engine.release(prepared)

@@ -1,24 +1,38 @@
-"""Checks and staging for weight updates, shared by the in-process and remote vLLM engines.
+"""Checks and staging for weight updates, shared by every engine that loads weights from files.
 
-An update is validated against the engine's parameter manifest *before* anything reaches the engine, so
-a bad update (missing or unknown names, wrong shapes, NaN) is refused with nothing half-applied.
+An update is validated against the engine's parameter manifest *before* anything reaches the engine, so a bad
+update (missing or unknown names, wrong shapes, NaN) is refused with nothing half-applied. Validation and
+writing run in a worker thread (an ``isfinite`` pass costs ~1.2 s per GiB): the event loop keeps serving.
+
+Staged updates are safetensors directories named ``.asyncrl-staging-<pid>-*`` under ``/dev/shm`` (or the temp
+dir). A ``StagedWeights`` handle counts its holders (the update being published, every engine that loaded it as
+its good weights) and removes the directory when the last lets go, so N engines of a pool share one copy.
+Directories of a process that died without cleaning up (``kill -9``) are collected by the next process that
+stages into the same root.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from asyncrl.engines.base import WeightUpdateError
+from asyncrl.errors import WeightUpdateError
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+STAGING_PREFIX = ".asyncrl-staging-"
+_STAGED_NAME = re.compile(rf"^{re.escape(STAGING_PREFIX)}(\d+)-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +57,9 @@ def read_manifest(model_dir: str | Path) -> dict[str, ParamSpec]:
     return manifest
 
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+def manifest_dtype(manifest: Mapping[str, ParamSpec]) -> torch.dtype:
+    """The dtype the checkpoint stores its weights in (what a staged update is written as)."""
+    return torch_dtype(next(iter(manifest.values())).dtype)
 
 
 def validate_update(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
@@ -78,41 +94,99 @@ def staging_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def stage(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, root: Path | None = None) -> Path:
+class StagedWeights:
+    """A staged weights directory with a count of its holders; removed when the last one releases it.
+
+    ``owned=False`` wraps a directory asyncrl did not write (the model's own checkpoint): never removed."""
+
+    def __init__(self, path: Path, *, owned: bool = True) -> None:
+        self.path = path
+        self.owned = owned
+        self._holders = 1  # the creator
+        self._lock = threading.Lock()  # released from worker threads too (a cancelled stage)
+
+    def acquire(self) -> StagedWeights:
+        with self._lock:
+            if self._holders == 0:
+                raise RuntimeError(f"staged weights {self.path} were already removed")
+            self._holders += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            gone = self._holders == 0
+        if gone and self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __repr__(self) -> str:
+        return f"StagedWeights({str(self.path)!r}, holders={self._holders})"
+
+
+def stage(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, root: Path | None = None) -> StagedWeights:
     """Write the tensors as one safetensors file in a fresh directory, complete before it is visible."""
     from safetensors.torch import save_file
 
     root = root or staging_root()
-    tmp = Path(tempfile.mkdtemp(prefix=".asyncrl-staging-", dir=root))
+    collect_stale_staging(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
     try:
         payload = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
         save_file(payload, str(tmp / WEIGHTS_FILE))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return tmp
+    return StagedWeights(tmp)
+
+
+def collect_stale_staging(root: Path) -> list[Path]:
+    """Remove staging directories under ``root`` whose writing process is gone. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _STAGED_NAME.match(entry.name)
+        if match and not _alive(int(match.group(1))) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d staging directories left by dead processes under %s", len(removed), root)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
+                        dtype: torch.dtype, root: Path | None) -> StagedWeights:
+    validate_update(tensors, manifest)
+    return stage(tensors, dtype, root)
 
 
 async def validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
-                             dtype: torch.dtype, root: Path | None = None) -> Path:
-    """``validate_update``, then ``stage`` in a thread. If the caller is cancelled while the file is being
-    written, the directory is removed once the write is done.
-
-    Validation runs on the caller's thread (an ``isfinite`` pass, ~1.2 s per GiB). An earlier attempt to move
-    it into the thread was reverted over "exit status 255" failures that later turned out to be the test's
-    own race (psutil reaping the child before asyncio), not this code."""
-    validate_update(tensors, manifest)
-    job = asyncio.ensure_future(asyncio.to_thread(stage, tensors, dtype, root))
+                             dtype: torch.dtype, root: Path | None = None) -> StagedWeights:
+    """``validate_update`` and ``stage``, both in a worker thread. Raises ``WeightUpdateError`` for a bad
+    update. If the caller is cancelled meanwhile, the directory is removed once the write is done."""
+    job = asyncio.ensure_future(asyncio.to_thread(_validate_and_stage, tensors, manifest, dtype, root))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        job.add_done_callback(_remove_staged)
+        job.add_done_callback(_release_staged)
         raise
 
 
-def _remove_staged(done: asyncio.Future[Path]) -> None:
+def _release_staged(done: asyncio.Future[StagedWeights]) -> None:
     if not done.cancelled() and done.exception() is None:
-        shutil.rmtree(done.result(), ignore_errors=True)
+        done.result().release()
 
 
 def state_dict_for_engine(model: torch.nn.Module) -> dict[str, torch.Tensor]:

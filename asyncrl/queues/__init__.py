@@ -1,5 +1,5 @@
-"""The bounded rollout queue (with the staleness rule) and its remote form over HTTP."""
+"""The bounded rollout queue (a sending and a receiving end, with the staleness rule) and its HTTP form."""
 
-from asyncrl.queues.rollout_queue import QueueClosed, RolloutQueue, is_fresh
+from asyncrl.queues.rollout_queue import QueueStatistics, RolloutReceiver, RolloutSender, is_fresh, create_rollout_queue
 
-__all__ = ["QueueClosed", "RolloutQueue", "is_fresh"]
+__all__ = ["QueueStatistics", "RolloutReceiver", "RolloutSender", "is_fresh", "create_rollout_queue"]

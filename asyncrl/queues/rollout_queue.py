@@ -1,8 +1,18 @@
-"""The bounded rollout queue between producers and the learner.
+"""The bounded rollout queue between producers and the learner, as a sending end and a receiving end.
 
-Producers ``await put(group)`` and wait while it is full (backpressure; memory is bounded by ``capacity``
-groups). The learner ``await get_batch(k, version)``; groups staler than ``max_staleness`` are dropped at
-that moment, counted, and never reach the loss.
+``senders, receiver = create_rollout_queue(config, clock)``. Producers ``await sender.send(group)`` and wait while the
+queue is full (backpressure: memory is bounded by ``capacity`` groups); each producer holds its own
+``sender.clone()``. The learner ``await receiver.receive_batch(k)``. Closing works as in anyio's memory object
+streams:
+
+- when every sending end is closed, the receiver hands out what is queued and then raises ``EndOfRollouts``;
+- when the receiving end is closed, every ``send`` (waiting or new) raises ``QueueClosed``, and what was queued
+  is counted as unused.
+
+Staleness is enforced where the learner consumes: a group more than ``max_staleness`` versions behind the
+clock's ``policy`` version is dropped, counted, and never reaches the loss. The queue also learns of every
+version change from the ``VersionClock`` and drops queued groups that just became too stale, so their room
+goes back to the producers at once.
 """
 
 from __future__ import annotations
@@ -10,68 +20,63 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from asyncrl.config import QueueConfig
-from asyncrl.ledger import GroupLedger
+from asyncrl.counters import GroupCounters
+from asyncrl.errors import EndOfRollouts, QueueClosed
 from asyncrl.types import DropReason, RolloutGroup
-
+from asyncrl.versions import VersionClock
 
 SEEN_IDS_LIMIT = 10_000  # group ids remembered for de-duplication (retries come within seconds)
 
 
-class QueueClosed(Exception):
-    """The queue was closed: no more groups will come (``get_batch``) or be accepted (``put``)."""
-
-
-def is_fresh(group: RolloutGroup, current_version: int, max_staleness: int) -> bool:
+def is_fresh(group: RolloutGroup, policy_version: int, max_staleness: int) -> bool:
     """The staleness rule: a group may be trained on iff its oldest token is at most ``max_staleness``
-    versions behind the learner's current version."""
-    return _fresh(group.staleness(current_version), max_staleness)
+    versions behind the learner's policy version."""
+    return group.staleness(policy_version) <= max_staleness
 
 
-def _fresh(staleness: int, max_staleness: int) -> bool:
-    """The rule itself, for a staleness already computed (the queue needs it for its histogram too)."""
-    return staleness <= max_staleness
+class QueueStatistics(NamedTuple):
+    """A snapshot of one rollout queue (times in seconds)."""
 
-
-@dataclass(slots=True)
-class QueueStats:
-    """Gauges of one queue (seconds for times)."""
-
-    max_depth: int = 0  # highest depth ever seen (never above capacity)
-    put_wait_s: float = 0.0  # total time producers spent blocked on a full queue
-    get_wait_s: float = 0.0  # total time the learner spent waiting for groups
-    puts_blocked: int = 0  # puts that had to wait for room
-    staleness_trained: Counter[int] = field(default_factory=Counter)  # staleness -> groups handed out
-    age_s_sum: float = 0.0  # total enqueue-to-dequeue time of handed-out groups
-    handed_out: int = 0
+    depth: int  # groups queued now
+    capacity: int
+    open_senders: int  # sending ends not closed yet
+    waiting_senders: int  # sends blocked on a full queue right now
+    receiver_closed: bool
+    max_depth: int  # highest depth ever seen (never above capacity)
+    sends_blocked: int  # sends that had to wait for room
+    send_wait_s: float  # total time sends spent blocked on a full queue
+    receive_wait_s: float  # total time the receiver spent waiting for groups
+    handed_out: int  # groups given to the learner
+    age_s_sum: float  # total enqueue-to-hand-out time of those groups
+    staleness: dict[int, int]  # staleness -> groups handed out
 
 
 class _Waiters:
     """Tasks parked until the queue changes: ``asyncio.Condition`` without its lock.
 
-    The queue's state only changes between awaits on one event loop, so a lock would guard nothing; it
-    would only cost an acquire and release per put and per get. Waking is free when nobody waits, which is
-    the common case on the hot path. Every waiter is woken and re-checks its own condition, so a waiter
-    cancelled after being woken cannot swallow a wake-up another one needed.
-    """
+    The queue's state only changes between awaits on one event loop, so a lock would guard nothing. Every
+    waiter is woken and re-checks its own condition, so one cancelled after being woken cannot swallow a
+    wake-up another one needed."""
 
     __slots__ = ("_futures",)
 
     def __init__(self) -> None:
         self._futures: list[asyncio.Future[None]] = []
 
+    def __len__(self) -> int:
+        return len(self._futures)
+
     async def wait(self) -> None:
-        """Return after the next ``notify_all`` (callers loop until their condition holds)."""
         future = asyncio.get_running_loop().create_future()
         self._futures.append(future)
         try:
             await future
-        except asyncio.CancelledError:
-            if future in self._futures:  # not woken yet: forget it
+        finally:
+            if future in self._futures:  # cancelled before being woken: forget it
                 self._futures.remove(future)
-            raise
 
     def notify_all(self) -> None:
         if self._futures:
@@ -81,134 +86,236 @@ class _Waiters:
                     future.set_result(None)
 
 
-class RolloutQueue:
-    """Bounded FIFO of rollout groups with the staleness rule applied on the way out."""
+class _State:
+    """What both ends share."""
 
-    def __init__(self, config: QueueConfig, ledger: GroupLedger | None = None) -> None:
+    def __init__(self, config: QueueConfig, clock: VersionClock, counters: GroupCounters) -> None:
         self.config = config
-        self.ledger = ledger or GroupLedger()
-        self.stats = QueueStats()
-        self._items: deque[RolloutGroup] = deque()
-        self._room = _Waiters()  # puts waiting for the queue to have room (or close)
-        self._arrivals = _Waiters()  # get_batch waiting for groups (or close / finish)
-        self._closed = False
-        self._finished = False  # producers are done: the learner drains what is left, then stops
-        # Recently accepted group ids, so a retried put is stored once (bounded: retries come soon).
-        self._seen_ids: OrderedDict[str, None] = OrderedDict()
+        self.clock = clock
+        self.counters = counters
+        self.items: deque[tuple[float, RolloutGroup]] = deque()  # (arrival time, group)
+        self.room = _Waiters()  # sends waiting for room
+        self.arrivals = _Waiters()  # the receiver waiting for groups or for the senders to close
+        self.seen_ids: OrderedDict[str, None] = OrderedDict()  # accepted ids: a retried send is stored once
+        self.open_senders = 0
+        self.receiver_closed = False
+        self.max_depth = 0
+        self.sends_blocked = 0
+        self.send_wait_s = 0.0
+        self.receive_wait_s = 0.0
+        self.handed_out = 0
+        self.age_s_sum = 0.0
+        self.staleness: Counter[int] = Counter()
+        self.unsubscribe = clock.observe(self.on_version)
 
-    @property
-    def depth(self) -> int:
-        return len(self._items)
+    def full(self) -> bool:
+        return len(self.items) >= self.config.capacity and not self.receiver_closed
+
+    def accept(self, group: RolloutGroup) -> None:
+        self.seen_ids[group.group_id] = None
+        if len(self.seen_ids) > SEEN_IDS_LIMIT:
+            self.seen_ids.popitem(last=False)
+        self.items.append((time.monotonic(), group))
+        self.counters.queued += 1
+        if len(self.items) > self.max_depth:
+            self.max_depth = len(self.items)
+        self.arrivals.notify_all()
+
+    def on_version(self, clock: VersionClock) -> None:
+        """Drop queued groups that the new policy version made too stale (``receive_batch`` would anyway)."""
+        policy, limit = clock.policy, self.config.max_staleness
+        keep = deque(item for item in self.items if item[1].staleness(policy) <= limit)
+        dropped = len(self.items) - len(keep)
+        if dropped:
+            self.items = keep
+            self.counters.drop(DropReason.STALE, dropped, queued=True)
+            self.room.notify_all()
+
+    def close_receiver(self) -> None:
+        if self.receiver_closed:
+            return
+        self.receiver_closed = True
+        self.unsubscribe()
+        if self.items:
+            self.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(self.items), queued=True)
+            self.items.clear()
+        self.room.notify_all()
+        self.arrivals.notify_all()
+
+
+class RolloutSender:
+    """A sending end. ``clone()`` one per producer; the queue ends once every clone is closed."""
+
+    __slots__ = ("_state", "_closed")
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+        self._closed = False
+        state.open_senders += 1
+
+    def clone(self) -> RolloutSender:
+        if self._closed:
+            raise RuntimeError("cannot clone a closed rollout sender")
+        return RolloutSender(self._state)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def __contains__(self, group_id: str) -> bool:
-        return group_id in self._seen_ids
+    async def send(self, group: RolloutGroup) -> bool:
+        """Queue a group, waiting while the queue is full. False if its id was already accepted.
 
-    async def put(self, group: RolloutGroup) -> bool:
-        """Add a group, waiting while the queue is full. Returns False if its id was already accepted."""
-        if group.group_id in self._seen_ids:
-            return False
-        if self._full():
-            await self._wait_for_room()
-            if group.group_id in self._seen_ids:  # a retry of this group was stored while we waited
-                return False
+        Raises ``QueueClosed`` once the receiving end is closed."""
+        state = self._state
         if self._closed:
-            raise QueueClosed("queue closed while putting")
-        self._accept(group)  # no await since the checks: nothing can have changed in between
+            raise RuntimeError("send on a closed rollout sender")
+        if group.group_id in state.seen_ids:
+            return False
+        if state.full():
+            await self._wait_for_room()
+            if group.group_id in state.seen_ids:  # a retry of this group was stored while we waited
+                return False
+        if state.receiver_closed:
+            raise QueueClosed("the rollout queue's receiver is closed")
+        state.accept(group)  # no await since the checks: nothing can have changed in between
         return True
 
-    def _full(self) -> bool:
-        return len(self._items) >= self.config.capacity and not self._closed
-
     async def _wait_for_room(self) -> None:
-        self.stats.puts_blocked += 1
+        state = self._state
+        state.sends_blocked += 1
         t0 = time.monotonic()
-        while self._full():
-            await self._room.wait()
-        self.stats.put_wait_s += time.monotonic() - t0
+        try:
+            while state.full():
+                await state.room.wait()
+        finally:
+            state.send_wait_s += time.monotonic() - t0
 
-    def _accept(self, group: RolloutGroup) -> None:
-        self._seen_ids[group.group_id] = None
-        if len(self._seen_ids) > SEEN_IDS_LIMIT:
-            self._seen_ids.popitem(last=False)
-        self._items.append(group.stamped(time.monotonic()))
-        self.ledger.queued += 1
-        if len(self._items) > self.stats.max_depth:
-            self.stats.max_depth = len(self._items)
-        self._arrivals.notify_all()
+    def close(self) -> None:
+        """Close this end (idempotent). When the last one closes, the receiver drains and ends."""
+        if not self._closed:
+            self._closed = True
+            self._state.open_senders -= 1
+            if self._state.open_senders == 0:
+                self._state.arrivals.notify_all()
 
-    async def get_batch(self, size: int, current_version: int) -> list[RolloutGroup]:
-        """Take ``size`` fresh groups (FIFO), dropping stale ones on the way. Waits until they exist."""
+    def __enter__(self) -> RolloutSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RolloutReceiver:
+    """The receiving end, read by the learner."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    @property
+    def config(self) -> QueueConfig:
+        return self._state.config
+
+    @property
+    def counters(self) -> GroupCounters:
+        """The group accounting this queue shares with its producers and learner."""
+        return self._state.counters
+
+    @property
+    def depth(self) -> int:
+        return len(self._state.items)
+
+    @property
+    def closed(self) -> bool:
+        return self._state.receiver_closed
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._state.seen_ids
+
+    async def receive_batch(self, size: int) -> list[RolloutGroup]:
+        """Take ``size`` fresh groups (FIFO), dropping stale ones on the way; waits until they exist.
+
+        Raises ``EndOfRollouts`` once every sender is closed and the queue is empty (groups taken for the
+        unfinished batch are counted as unused)."""
+        state = self._state
+        if state.receiver_closed:
+            raise RuntimeError("receive on a closed rollout receiver")
         batch: list[RolloutGroup] = []
         t0 = time.monotonic()
         try:
-            await self._fill(batch, size, current_version)
-        except asyncio.CancelledError:
-            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            self._fill(batch, size) if state.items else None
+            while len(batch) < size:
+                await self._wait_for_groups()
+                self._fill(batch, size)
+        except BaseException:
+            state.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
             raise
-        self.stats.get_wait_s += time.monotonic() - t0
+        finally:
+            state.receive_wait_s += time.monotonic() - t0
         return batch
 
-    async def _fill(self, batch: list[RolloutGroup], size: int, current_version: int) -> None:
-        while len(batch) < size:
-            while not (self._items or self._closed or self._finished):
-                await self._arrivals.wait()
-            if not self._items:
-                # Groups taken for this unfinished batch are not trained: count them.
-                self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
-                raise QueueClosed(f"no more groups: {len(batch)} of {size} for the batch")
-            while self._items and len(batch) < size:  # take what is there, then wake blocked puts once
-                self._hand_out(self._items.popleft(), current_version, batch)
-            self._room.notify_all()
+    async def _wait_for_groups(self) -> None:
+        state = self._state
+        while not state.items:
+            if state.open_senders == 0:
+                raise EndOfRollouts("every rollout sender is closed and the queue is empty")
+            if state.receiver_closed:
+                raise QueueClosed("the rollout queue's receiver was closed")
+            await state.arrivals.wait()
 
-    def _hand_out(self, group: RolloutGroup, current_version: int, batch: list[RolloutGroup]) -> None:
-        staleness = group.staleness(current_version)  # once: both the rule and the histogram need it
-        if not _fresh(staleness, self.config.max_staleness):
-            self.ledger.drop(DropReason.STALE, queued=True)
-            return
-        self.stats.staleness_trained[staleness] += 1
-        self.stats.age_s_sum += time.monotonic() - group.created_at
-        self.stats.handed_out += 1
-        batch.append(group)
+    def _fill(self, batch: list[RolloutGroup], size: int) -> None:
+        """Hand out what is queued, up to ``size``, then wake blocked sends once."""
+        state = self._state
+        policy, limit, now = state.clock.policy, state.config.max_staleness, time.monotonic()
+        while state.items and len(batch) < size:
+            arrived, group = state.items.popleft()
+            staleness = group.staleness(policy)
+            if staleness > limit:
+                state.counters.drop(DropReason.STALE, queued=True)
+                continue
+            state.staleness[staleness] += 1
+            state.age_s_sum += now - arrived
+            state.handed_out += 1
+            batch.append(group)
+        state.room.notify_all()
 
-    async def drop_stale(self, current_version: int) -> int:
-        """Drop queued groups already too stale to train on (a saving; get_batch enforces it anyway)."""
-        keep = [g for g in self._items if is_fresh(g, current_version, self.config.max_staleness)]
-        dropped = len(self._items) - len(keep)
-        if dropped:
-            self._items = deque(keep)
-            self.ledger.drop(DropReason.STALE, dropped, queued=True)
-            self._room.notify_all()
-        return dropped
+    def close(self) -> None:
+        """Refuse further sends, wake every waiter, and count what is left as unused. Idempotent."""
+        self._state.close_receiver()
 
-    async def finish(self) -> None:
-        """No more groups will come: the learner takes what is queued, then ``get_batch`` raises."""
-        self._finished = True
-        self._arrivals.notify_all()
+    def __enter__(self) -> RolloutReceiver:
+        return self
 
-    async def close(self) -> None:
-        """Refuse further puts, wake every waiter, and count what is left as unused."""
-        self._closed = True
-        if self._items:
-            self.ledger.drop(DropReason.UNUSED_AT_SHUTDOWN, len(self._items), queued=True)
-            self._items.clear()
-        self._room.notify_all()
-        self._arrivals.notify_all()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def statistics(self) -> QueueStatistics:
+        s = self._state
+        return QueueStatistics(
+            depth=len(s.items), capacity=s.config.capacity, open_senders=s.open_senders,
+            waiting_senders=len(s.room), receiver_closed=s.receiver_closed, max_depth=s.max_depth,
+            sends_blocked=s.sends_blocked, send_wait_s=s.send_wait_s, receive_wait_s=s.receive_wait_s,
+            handed_out=s.handed_out, age_s_sum=s.age_s_sum, staleness=dict(s.staleness))
 
     def metrics(self) -> dict[str, float]:
-        handed = self.stats.handed_out
-        stale_sum = sum(s * c for s, c in self.stats.staleness_trained.items())
+        """The statistics as ``queue/*`` and ``rollout/staleness_*`` gauges."""
+        st = self.statistics()
+        handed = st.handed_out
         out = {
-            "queue/depth": len(self._items), "queue/capacity": self.config.capacity,
-            "queue/max_depth": self.stats.max_depth, "queue/put_wait_s": self.stats.put_wait_s,
-            "queue/get_wait_s": self.stats.get_wait_s, "queue/puts_blocked": self.stats.puts_blocked,
-            "queue/age_s_mean": self.stats.age_s_sum / handed if handed else 0.0,
-            "rollout/staleness_mean": stale_sum / handed if handed else 0.0,
-            "rollout/staleness_max": max(self.stats.staleness_trained, default=0),
+            "queue/depth": st.depth, "queue/capacity": st.capacity, "queue/max_depth": st.max_depth,
+            "queue/send_wait_s": st.send_wait_s, "queue/receive_wait_s": st.receive_wait_s,
+            "queue/sends_blocked": st.sends_blocked, "queue/open_senders": st.open_senders,
+            "queue/age_s_mean": st.age_s_sum / handed if handed else 0.0,
+            "rollout/staleness_mean": sum(s * c for s, c in st.staleness.items()) / handed if handed else 0.0,
+            "rollout/staleness_max": max(st.staleness, default=0),
         }
-        for s, c in sorted(self.stats.staleness_trained.items()):
-            out[f"rollout/staleness_hist_{s}"] = c
+        out.update({f"rollout/staleness_hist_{s}": c for s, c in sorted(st.staleness.items())})
         return out
+
+
+def create_rollout_queue(config: QueueConfig, clock: VersionClock,
+                  counters: GroupCounters | None = None) -> tuple[RolloutSender, RolloutReceiver]:
+    """A new queue's two ends. ``counters`` is the pipeline's group accounting (a new one if None)."""
+    state = _State(config, clock, counters if counters is not None else GroupCounters())
+    return RolloutSender(state), RolloutReceiver(state)

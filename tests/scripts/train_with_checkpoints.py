@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from asyncrl import LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, SamplingConfig  # noqa: E402
-from asyncrl.algorithms.losses import LossOutput  # noqa: E402
-from asyncrl.checkpoint import CheckpointConfig, Checkpointer, latest, resume_pipeline  # noqa: E402
-from asyncrl.engines.fake import FakeEngine  # noqa: E402
+from asyncrl import (
+    LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, RewardExecution, SamplingConfig,
+)
+from asyncrl.algorithms.losses import LossOutput
+from asyncrl.checkpoint import CheckpointConfig, Checkpointer, latest, resume_pipeline
+from asyncrl.engines.fake import FakeEngine
 
 _print_lock = threading.Lock()
 
@@ -61,13 +61,15 @@ class RegressionLoss:
     """Predict each rollout's reward from its prompt tokens; a little noise makes the weights depend on the
     torch RNG (so restoring it matters). Records the groups of the current step."""
 
+    min_group_size = 1
+
     def __init__(self) -> None:
         self.trained: list[int] = []
 
     def compute(self, model, groups):
-        rows = [r for g in groups for r in g.rollouts]
-        x = torch.tensor([[float(t) for t in r.prompt_ids[:4]] for r in rows]) / 10
-        y = torch.tensor([r.reward for r in rows])
+        rows = [(g.prompt, r) for g in groups for r in g.rollouts]
+        x = torch.tensor([[float(t) for t in p.token_ids[:4]] for p, _ in rows]) / 10
+        y = torch.tensor([r.reward for _, r in rows])
         pred = model(x).squeeze(-1) + torch.randn(len(rows)) * 0.01
         loss = ((pred - y) ** 2).mean()
         self.trained.extend(int(g.group_id.rsplit("#", 1)[1]) for g in groups)
@@ -107,7 +109,9 @@ class ScriptCheckpointer(Checkpointer):
 
 def config() -> PipelineConfig:
     return PipelineConfig(
-        producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=3), max_inflight_groups=4),
+        # The reward is a modulo: inline, so the order groups finish in (and are trained in) is deterministic.
+        producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=3), max_inflight_groups=4,
+                                sync_rewards=RewardExecution.INLINE),
         queue=QueueConfig(capacity=8, max_staleness=1_000_000),
         learner=LearnerConfig(batch_groups=2, lr=1e-2),
     )

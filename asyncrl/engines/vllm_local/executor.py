@@ -13,7 +13,8 @@ for 5-10 s at most weight syncs. So the readers keep vLLM's one-second active wi
 between checks of the shared-memory flag instead of yielding: a few microseconds of CPU per check, and at
 most a nap (~0.25 ms with Linux timer slack) of added latency per message.
 
-Loaded by qualified name inside EngineCore (``distributed_executor_backend``), so it imports only vLLM.
+Loaded by qualified name inside EngineCore (``distributed_executor_backend``), so it imports only vLLM and
+``exit_fast``.
 The worker side is switched through the worker extension (``asyncrl_stop_busy_wait``).
 """
 
@@ -25,6 +26,8 @@ from typing import Any
 
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+from asyncrl.engines.vllm_local.exit_fast import exit_fast
 
 NAP_S = 200e-6  # between checks of a queue's written flag while messages are frequent
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class NappingReadersExecutor(MultiprocExecutor):
 
     def _post_init_executor(self) -> None:
         super()._post_init_executor()
+        exit_fast()  # this runs in EngineCore: its exit need not walk vLLM's heap either
         local = sum(stop_busy_wait(mq) for mq in getattr(self, "response_mqs", []))
         workers = self.collective_rpc("asyncrl_stop_busy_wait")
         logger.info("asyncrl: %d response queue(s) and %d/%d worker queue(s) switched to napping readers",

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import aiohttp
 
-from asyncrl.engines.worker_ext import EXTENSION
+from asyncrl.engines.vllm_local.config import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
 # The worker imports the extension by name: the project root must be on its path wherever the server runs.
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 
 # What every server we start gets unless the caller's ``env`` says otherwise.
 DEFAULT_ENV: Mapping[str, str] = {
@@ -42,11 +42,9 @@ def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "128", "--enforce-eager",
         # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
         "--logprobs-mode", "processed_logprobs",
-        "--dtype", "float32",
-        "--worker-extension-cls", EXTENSION,  # weight reload that keeps tied weights (the LM head) tied
+        "--worker-extension-cls", WORKER_EXTENSION,  # weight reload that keeps tied weights (the LM head) tied
         *extra_args,
     ]
 

@@ -9,8 +9,9 @@ from asyncrl.types import DropReason
 
 
 @dataclass(slots=True)
-class GroupLedger:
-    """Counts of groups by fate. Shared by producers, queue and learner of one pipeline."""
+class GroupCounters:
+    """Counts of groups by fate. One instance is shared by the producers, the queue and the learner of a
+    pipeline, so the books balance across all three."""
 
     queued: int = 0  # groups that entered the queue
     trained: int = 0  # groups that reached the loss
@@ -18,9 +19,10 @@ class GroupLedger:
     dropped_before_queue: int = 0  # part of ``dropped`` that never entered the queue
 
     def drop(self, reason: DropReason, count: int = 1, *, queued: bool) -> None:
-        self.dropped[reason] += count
-        if not queued:
-            self.dropped_before_queue += count
+        if count:
+            self.dropped[reason] += count
+            if not queued:
+                self.dropped_before_queue += count
 
     @property
     def total_dropped(self) -> int:
@@ -31,7 +33,11 @@ class GroupLedger:
         dropped_from_queue = self.total_dropped - self.dropped_before_queue
         return self.queued - self.trained - dropped_from_queue - in_queue
 
-    def as_metrics(self) -> dict[str, float]:
+    def describe_drops(self) -> str:
+        """``"stale 3, reward_invalid 40"``, or ``"none"``: for error messages."""
+        return ", ".join(f"{r.value} {c}" for r, c in self.dropped.most_common() if c) or "none"
+
+    def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"groups/queued": self.queued, "groups/trained": self.trained,
                                  "groups/dropped": self.total_dropped}
         for reason, count in self.dropped.items():

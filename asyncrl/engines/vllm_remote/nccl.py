@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.aio import together
-from asyncrl.config import ConfigError
-from asyncrl.engines.base import WeightUpdate, WeightUpdateError
-from asyncrl.engines.remote import ServerApi
+from asyncrl.engines.protocols import WeightUpdate
+from asyncrl.engines.vllm_remote.api import ServerApi
+from asyncrl.errors import ConfigError, WeightUpdateError
 
 log = logging.getLogger(__name__)
 

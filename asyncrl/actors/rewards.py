@@ -1,0 +1,139 @@
+"""Scoring a group's samples with the user's reward function, without ever stalling the event loop.
+
+An ``async`` reward runs on the event loop. A synchronous one runs in a worker thread (anyio's
+``to_thread.run_sync`` under a ``CapacityLimiter`` of ``ProducerConfig.reward_threads``), one thread call per
+group, unless ``ProducerConfig.sync_rewards`` says it is cheap enough to run inline. Every call is bounded by
+``reward_timeout_s``; a group whose scoring times out is dropped and counted (``reward_timeout``).
+
+A thread cannot be stopped: a timed-out synchronous call keeps running until it returns, and its limiter slot
+goes to the next group. So that hung calls cannot pile up threads without end, once ``reward_threads`` calls
+are overrunning at the same time the run stops with ``NoProgressError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from asyncrl.aio import together
+from asyncrl.config import ProducerConfig, RewardExecution
+from asyncrl.errors import NoProgressError
+from asyncrl.types import DropReason, Prompt, Sample
+
+RewardFn = Callable[[Prompt, Sample], "float | Awaitable[float]"]
+
+
+class RewardRejected(Exception):
+    """A group's scoring failed in a way that drops the group (``reason`` says how)."""
+
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class RewardScorer:
+    """Scores groups with one reward function (shared by a producer's in-flight groups)."""
+
+    def __init__(self, fn: RewardFn, config: ProducerConfig) -> None:
+        self._fn = fn
+        self._is_async = _is_async_callable(fn)
+        self._in_thread = not self._is_async and config.sync_rewards is RewardExecution.THREAD
+        self._timeout_s = config.reward_timeout_s
+        self._limiter = anyio.CapacityLimiter(config.reward_threads)
+        self._max_overrunning = config.reward_threads
+        self._overrunning = 0  # timed-out thread calls still running
+        self._lock = threading.Lock()  # guards _overrunning (decremented from worker threads)
+
+    @property
+    def overrunning(self) -> int:
+        """Synchronous calls that timed out and are still running in their threads."""
+        return self._overrunning
+
+    async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
+        """One reward per sample. Raises ``RewardRejected`` (the group is dropped) or ``NoProgressError``."""
+        if self._overrunning >= self._max_overrunning:
+            raise NoProgressError(f"the reward function hangs: {self._overrunning} calls are still running "
+                                  f"more than reward_timeout_s={self._timeout_s}s after they started")
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                values = await self._call(prompt, samples)
+        except TimeoutError:
+            raise RewardRejected(DropReason.REWARD_TIMEOUT,
+                                 f"reward function took longer than reward_timeout_s={self._timeout_s}s") from None
+        except (asyncio.CancelledError, NoProgressError):
+            raise
+        except Exception as exc:
+            raise RewardRejected(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
+        return [_checked(v) for v in values]
+
+    async def _call(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Any]:
+        if self._is_async:  # the group's samples are scored concurrently (a judge model, a sandbox...)
+            return await together(*(self._fn(prompt, s) for s in samples))
+        if self._in_thread:
+            values = await self._in_worker_thread(prompt, samples)
+        else:
+            values = [self._fn(prompt, s) for s in samples]
+        if any(type(v) is not float and inspect.isawaitable(v) for v in values):  # a sync fn returning awaitables
+            return await together(*(_as_awaitable(v) for v in values))
+        return values
+
+    async def _in_worker_thread(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Any]:
+        call = _ThreadCall(self, prompt, samples)
+        try:
+            return await anyio.to_thread.run_sync(call.run, abandon_on_cancel=True, limiter=self._limiter)
+        except BaseException:
+            call.abandon()
+            raise
+
+    def _overrun(self, delta: int) -> None:
+        with self._lock:
+            self._overrunning += delta
+
+
+class _ThreadCall:
+    """One group's synchronous scoring in a worker thread; counts itself while it overruns its timeout."""
+
+    def __init__(self, scorer: RewardScorer, prompt: Prompt, samples: Sequence[Sample]) -> None:
+        self._scorer, self._prompt, self._samples = scorer, prompt, samples
+        self._lock = threading.Lock()
+        self._running = True
+        self._abandoned = False
+
+    def run(self) -> list[Any]:
+        try:
+            return [self._scorer._fn(self._prompt, s) for s in self._samples]
+        finally:
+            with self._lock:
+                self._running = False
+                if self._abandoned:
+                    self._scorer._overrun(-1)
+
+    def abandon(self) -> None:
+        with self._lock:
+            if self._running and not self._abandoned:
+                self._abandoned = True
+                self._scorer._overrun(+1)
+
+
+async def _as_awaitable(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _is_async_callable(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _checked(value: object) -> float:
+    if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise RewardRejected(DropReason.REWARD_INVALID, f"reward function returned {value!r}, not a finite number")
+    return float(value)

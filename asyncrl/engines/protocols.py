@@ -1,0 +1,142 @@
+"""The narrow roles the rest of asyncrl talks to, one Protocol each.
+
+- ``Sampler`` (producers): generate completions, tagged with the weight version that produced each token.
+- ``WeightTarget`` (the learner's ``WeightSync``): prepare an update, pause, load, resume.
+- ``Lifecycle`` (the pipeline): is it alive, close it.
+
+An engine plays whichever roles it can: ``VLLMEngine`` (vLLM in this process), ``RemoteVLLMEngine`` (a vLLM
+server over HTTP), ``EnginePool`` and ``SupervisedEngine`` play all three; ``RemoteControlEngine`` (an engine
+embedded in another service) is a weight target with a lifecycle and never samples. Nothing outside
+``asyncrl.engines`` imports vLLM.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from asyncrl.config import SamplingConfig
+from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
+from asyncrl.types import PauseMode, Sample
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.engines.weights import StagedWeights
+
+__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine", "WeightTarget",
+           "WeightUpdate", "WeightUpdateError", "request_seed"]
+
+
+def request_seed(seed: int | None, request_id: str) -> int | None:
+    """A per-request sampling seed: reproducible for a run seed, different for every request (a seed per
+    sample index alone would give every group the same random stream)."""
+    return None if seed is None else (seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**31
+
+
+@dataclass(frozen=True, slots=True)
+class StagedInEngine:
+    """``WeightUpdate.staged`` when the engine already holds the new weights beside the live ones (CUDA IPC
+    into shadow parameters): loading them under the pause is one device copy."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightUpdate:
+    """New policy weights to publish.
+
+    ``tensors`` maps checkpoint-format parameter names (as in the model's ``state_dict``) to tensors; a
+    full update must name every parameter the engine's model has.
+    """
+
+    version: int  # the version these weights become once loaded
+    tensors: Mapping[str, torch.Tensor]
+    staged: StagedWeights | StagedInEngine | None = None  # set by ``prepare``: validated, ready to load
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What a producer needs: completions with behaviour log-probs and version spans."""
+
+    name: str  # for logs and errors
+
+    @property
+    def version(self) -> int:
+        """The weight version new tokens are sampled with."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + completion tokens accepted. Producers drop prompts that leave no room."""
+        ...
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        """Sample ``n`` (default ``params.n``) completions. Called by producers, many at once.
+
+        Each sample carries per-token behaviour log-probs and version spans. Samples cut by an ``abort``
+        pause come back with ``FinishReason.ABORT`` and the tokens produced so far. Cancelling the call
+        aborts its requests in the engine. A refused prompt raises ``PromptRejected``.
+        """
+        ...
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """What the learner's ``WeightSync`` drives, always in this order: ``prepare`` (generation still running),
+    ``pause``, ``load``, ``resume`` (always, even after a failure or a cancellation), ``release``."""
+
+    name: str
+
+    @property
+    def version(self) -> int:
+        """The weight version the target serves."""
+        ...
+
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
+        """Validate and stage ``update`` while generation still runs, so the pause covers only the load.
+        Raises ``WeightUpdateError`` with nothing applied. Returns the update with ``staged`` set."""
+        ...
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Stop sampling before ``load``. A cancelled pause is followed by ``resume``."""
+        ...
+
+    async def load(self, update: WeightUpdate) -> None:
+        """Load a prepared update while paused, then report ``update.version`` for every new token.
+
+        All-or-nothing: on failure the target keeps its previous weights and version and this raises
+        ``WeightUpdateError``. ``WeightSync`` never cancels a load half-way."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue sampling after ``pause``. Safe to call when not paused."""
+        ...
+
+    def release(self, update: WeightUpdate) -> None:
+        """Free what ``prepare`` held for ``update``; called once per prepared update, loaded or not (a target
+        that loaded it keeps its own reference to the staged weights)."""
+        ...
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """What the pipeline needs to watch and stop an engine."""
+
+    name: str
+
+    async def check_alive(self) -> None:
+        """Raise ``EngineError`` if the engine (or its process) is gone. Polled by the pipeline's watchdog."""
+        ...
+
+    async def close(self) -> None:
+        """Shut down and release processes and staged files. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Engine(Sampler, WeightTarget, Lifecycle, Protocol):
+    """An engine in all three roles, as the single-engine pipeline wiring expects."""

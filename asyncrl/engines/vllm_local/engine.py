@@ -1,0 +1,310 @@
+"""All three engine roles over an in-process vLLM ``AsyncLLM`` (vLLM 0.26 and newer, CPU and GPU).
+
+Weights are published one of two ways (``VLLMEngineConfig.weight_transfer``, see ``worker_ext``): ``files``:
+staged as safetensors in shared memory and loaded with vLLM's layerwise reload, the path that works on CPU
+(where ``load_weights`` after start-up has no effect); ``cuda_ipc`` (the default on CUDA): handed to the
+workers through a CUDA IPC handle and loaded into shadow parameters before the pause, so the pause covers one
+device copy. Version tags come from the engine itself where vLLM stamps outputs (0.32+); on older vLLM they are
+tracked here from streamed deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from asyncrl.aio import settle, together
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, restore_good_weights, stamped_spans
+from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, request_seed
+from asyncrl.engines.vllm_local.config import VLLMEngineConfig, engine_args
+from asyncrl.engines.vllm_local.ipc import stage_in_engine
+from asyncrl.engines.vllm_local.llm_internals import ClosedLLM, pending_outputs_probe, quiet_shutdown
+from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
+from asyncrl.errors import EngineError, WeightUpdateError
+from asyncrl.types import PauseMode, Sample
+
+log = logging.getLogger(__name__)
+
+DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engine died
+DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
+
+
+class VLLMEngine:
+    """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
+
+    def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm") -> None:
+        self._llm = llm
+        self._cfg = cfg
+        self.name = name
+        self._version = 0
+        self._stamps = hasattr(llm, "update_weight_version")  # vLLM 0.32+: engine stamps outputs
+        self._ipc = cfg.uses_cuda_ipc()
+        self._manifest = read_manifest(cfg.model)
+        # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
+        self._good = StagedWeights(Path(cfg.model), owned=False)
+        self._closed = False
+
+    @classmethod
+    async def start(cls, cfg: VLLMEngineConfig, name: str = "vllm") -> VLLMEngine:
+        """Start the engine; blocking start-up runs in a thread so the event loop keeps serving. Cancelling
+        the start waits for it to finish and shuts the half-started engine down: no process is left behind."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, engine_args(cfg)))
+        try:
+            llm = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
+            await settle(_close_when_started(starting, cfg, name), "closing a cancelled engine start")
+            raise
+        engine = cls(llm, cfg, name)
+        try:
+            await engine._call(llm.collective_rpc("asyncrl_record_ties"))
+            if engine._stamps:
+                await engine._call(llm.update_weight_version("0"))
+        except BaseException:
+            await settle(engine.close(), "closing an engine that failed to start")
+            raise
+        return engine
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._cfg.max_model_len
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM``, for callers that need vLLM-specific features."""
+        return self._llm
+
+    # -- sampling ----------------------------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingConfig, request_id: str, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+            seed=request_seed(params.seed, request_id), logprobs=0, ignore_eos=params.ignore_eos,
+            output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        max_tokens = completion_room(prompt_ids, self._cfg.max_model_len, params.max_tokens)
+        self._raise_if_dead()
+        ids = [f"{request_id}-{i}" for i in range(params.n if n is None else n)]
+        return await together(*(self._one(prompt_ids, self._sampling_params(params, rid, max_tokens), rid)
+                                for rid in ids))
+
+    async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
+        # vLLM aborts the request itself when this generator is closed by cancellation.
+        spans = SpanBuilder()
+        version_at_submit = self._version
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        final = None
+        async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
+                                                        request_id=request_id)):
+            comp = out.outputs[0]
+            if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
+                spans.add(self._version, len(comp.token_ids))
+                text.append(comp.text)
+            else:
+                token_ids.clear(), logprobs.clear()
+            token_ids.extend(comp.token_ids)
+            logprobs.extend(_sampled_logprobs(self.name, comp))
+            final = comp
+        if final is None:
+            raise EngineError(self.name, f"request {request_id} ended without output")
+        if self._stamps:
+            stamped = [(int(s.version), s.start, s.end) for s in final.weight_versions or ()]
+            version_spans = stamped_spans(stamped, version_at_submit)
+        else:
+            version_spans = spans.build(version_at_submit)
+        return Sample(token_ids=tuple(token_ids), logprobs=tuple(logprobs),
+                      finish_reason=finish_reason(self.name, final.finish_reason), version_spans=version_spans,
+                      text=final.text if self._stamps else "".join(text))
+
+    async def _guard(self, stream: Any) -> Any:
+        """Re-raise vLLM's errors as ``EngineError`` when they mean the engine died."""
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:
+            if self._closed or self._llm.errored:
+                raise EngineError(self.name, f"engine died or closed mid-request ({exc!r})") from exc
+            raise
+
+    async def _call(self, coro: Any) -> Any:
+        """Await a control call (pause, reload...). vLLM never answers a call to a dead engine core, so
+        race it against the engine's death flag (there is no event for it to wait on)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+                if done:
+                    return task.result()
+                if self._closed or self._llm.errored:
+                    raise EngineError(self.name, "engine core process died during a control call")
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if self._closed or self._llm.errored:
+                raise EngineError(self.name, f"engine died or closed ({exc!r})") from exc
+            raise
+        finally:
+            task.cancel()
+
+    # -- weight target -------------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._raise_if_dead()
+        # Not ``pause_generation``: it ends with a blind 20 ms sleep so that outputs produced before the pause
+        # reach their streams first. We ask the scheduler directly and wait for exactly that delivery.
+        await self._call(self._llm.engine_core.pause_scheduler_async(mode=PauseMode(mode).value,
+                                                                      clear_cache=clear_cache))
+        await self._drain_outputs()
+
+    async def _drain_outputs(self) -> None:
+        """Return once every output produced before the pause has been taken by its request's stream.
+
+        They precede the pause reply on the engine's socket, so they sit in the client's output queue or in
+        per-request collectors; when both are empty on two loop turns in a row (the output handler yields
+        between chunks), all were consumed. This matters where versions are tagged on arrival (vLLM < 0.32):
+        a pre-pause token must not be counted under the new version."""
+        pending = pending_outputs_probe(self._llm)
+        if pending is None:  # a vLLM without these internals: fall back to its own heuristic
+            await asyncio.sleep(0.02)
+            return
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        clean = 0
+        while clean < 2:
+            await asyncio.sleep(0)
+            clean = 0 if pending() else clean + 1
+            if time.monotonic() > deadline:
+                log.warning("outputs still pending %.1fs after pausing %s", DRAIN_TIMEOUT_S, self.name)
+                return
+
+    async def resume(self) -> None:
+        self._raise_if_dead()
+        await self._call(self._llm.resume_generation())
+
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
+        """Validate and stage the update while generation still runs; only the load needs the pause. An update
+        another engine of a pool already staged as files is adopted as it is."""
+        if self._ipc:
+            staged = await stage_in_engine(self.name, self._call, self._llm, update, self._manifest,
+                                           self._dtype)
+            return replace(update, staged=staged)
+        if isinstance(update.staged, StagedWeights):
+            return replace(update, staged=update.staged.acquire())
+        return replace(update, staged=await validate_and_stage(update.tensors, self._manifest, self._dtype))
+
+    def release(self, update: WeightUpdate) -> None:
+        # Shadows staged in the engine stay allocated; the next stage overwrites them.
+        if isinstance(update.staged, StagedWeights):
+            update.staged.release()
+
+    async def load(self, update: WeightUpdate) -> None:
+        """Load a prepared update. Runs to its end even if the caller is cancelled meanwhile, so the engine's
+        weights and its version always agree."""
+        await settle(self._load(update), f"loading version {update.version} into {self.name}")
+
+    async def _load(self, update: WeightUpdate) -> None:
+        if isinstance(update.staged, StagedInEngine):
+            await self._commit_staged(update.version)
+            return
+        if not isinstance(update.staged, StagedWeights):
+            raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
+        try:
+            await self._reload(update.staged.path)
+        except EngineError:
+            raise
+        except Exception as exc:
+            await restore_good_weights(self.name, self._reload, self._good.path, exc)
+            raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc!r}); previous weights "
+                                    f"restored, version stays {self._version}") from exc
+        await self._set_version(update.version)
+        previous, self._good = self._good, update.staged.acquire()
+        previous.release()
+
+    async def _commit_staged(self, version: int) -> None:
+        # The commit checks the staged version before copying anything, so a refusal leaves the live
+        # weights as they were; a fault during the device copy kills the engine (EngineError).
+        try:
+            await self._call(self._llm.collective_rpc("asyncrl_commit", args=(version,)))
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"engine {self.name}: commit of staged weights failed ({exc!r}); "
+                                    f"version stays {self._version}") from exc
+        await self._set_version(version)
+
+    @property
+    def _dtype(self) -> Any:
+        if self._cfg.dtype == "auto":
+            return manifest_dtype(self._manifest)
+        return _dtype_from_name(self._cfg.dtype)
+
+    async def _reload(self, weights_dir: Path) -> None:
+        await self._call(self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)}))
+
+    async def _set_version(self, version: int) -> None:
+        if self._stamps:
+            await self._call(self._llm.update_weight_version(str(version)))
+        self._version = version
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        if self._closed:
+            raise EngineError(self.name, "engine is closed")
+        if self._llm.errored:
+            raise EngineError(self.name, "engine core process died or its output loop failed")
+
+    async def check_alive(self) -> None:
+        self._raise_if_dead()
+
+    async def close(self) -> None:
+        """Shut vLLM down (its processes gone when this returns) and remove staged weights. Idempotent; runs
+        to its end even if the caller is cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        t0 = time.monotonic()
+        try:
+            await settle(quiet_shutdown(self._llm), f"shutting down {self.name}")
+        finally:
+            self._llm = ClosedLLM()  # late calls fail with a clear error instead of reaching a dead engine
+            self._good.release()
+            log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
+
+
+async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConfig, name: str) -> None:
+    try:
+        llm = await starting
+    except Exception:
+        return  # it failed to start: nothing runs
+    await VLLMEngine(llm, cfg, name).close()
+
+
+def _sampled_logprobs(engine: str, comp: Any) -> list[float]:
+    if comp.logprobs is None:
+        raise EngineError(engine, "engine returned no log-probs (logprobs=0 was requested)")
+    return [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs)]
+
+
+def _dtype_from_name(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16}[name]

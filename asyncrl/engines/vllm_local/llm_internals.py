@@ -1,0 +1,60 @@
+"""What the in-process engine reads from, or works around in, vLLM's ``AsyncLLM`` (0.26-0.32).
+
+Kept apart so that each dependency on vLLM internals is in one place and says why it exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
+
+
+class ClosedLLM:
+    """Stands in for a shut-down AsyncLLM so late calls fail with a clear error."""
+
+    errored = True
+
+
+def pending_outputs_probe(llm: Any) -> Callable[[], bool] | None:
+    """A callable telling whether engine outputs are still undelivered, or None if this vLLM lacks the
+    internals it reads (the client's output queue and the per-request collectors; present in 0.26-0.32)."""
+    queue = getattr(llm.engine_core, "outputs_queue", None)
+    states = getattr(getattr(llm, "output_processor", None), "request_states", None)
+    if queue is None or states is None or not hasattr(queue, "empty"):
+        return None
+
+    def pending() -> bool:
+        return not queue.empty() or any(getattr(st.queue, "output", None) is not None
+                                        for st in states.values() if st.queue is not None)
+
+    return pending
+
+
+class _ShutdownNotice(logging.Filter):
+    """Drops the "output_handler failed" traceback that vLLM logs when the engine it is shutting down dies
+    under its output task (shutdown stops EngineCore before it cancels that task). The error still reaches
+    any request left in flight."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("output_handler failed" in str(record.msg) and type(exc).__name__ == "EngineDeadError")
+
+
+async def quiet_shutdown(llm: Any) -> None:
+    """``llm.shutdown()`` in a thread (it joins vLLM's processes), without its expected error log, and so that
+    ``AsyncLLM.__del__`` later finds nothing left to shut down (at interpreter exit it would fail)."""
+    quiet = _ShutdownNotice()
+    logging.getLogger(ASYNC_LLM_LOGGER).addFilter(quiet)
+    try:
+        await asyncio.to_thread(llm.shutdown)
+    finally:
+        logging.getLogger(ASYNC_LLM_LOGGER).removeFilter(quiet)
+        llm.shutdown = _no_op
+
+
+def _no_op(*_args: Any, **_kwargs: Any) -> None:
+    return None

@@ -1,0 +1,335 @@
+"""All three engine roles over a vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.26 and newer).
+
+Generation streams ``POST /v1/completions`` (token-id prompt, ``logprobs=0``, ``return_token_ids``), one HTTP
+request per sample so each has its own seed and can be aborted alone. Start the server with
+``--logprobs-mode processed_logprobs`` so the log-probs are those of the distribution actually sampled.
+Cancelling ``generate`` closes its streams and aborts the requests on the server (``/abort_requests``): a
+request frozen by a ``keep`` pause never notices a closed connection.
+
+Version spans: the server's /v1/completions does not report weight versions (0.32 stamps them only on its
+/inference/v1/generate endpoint; 0.26 not at all), so this engine tags each streamed chunk with its own
+version at the moment the chunk arrives. A request that runs across a ``keep`` pause gets two spans, split
+at the number of tokens received when ``load`` bumped the version. Between the pause and the bump the server
+samples nothing, so the split is exact unless a chunk sampled before the pause was still in transit when the
+version changed (the gap is the whole staging + reload, tens of milliseconds at least).
+
+Weights reach the server by default as a safetensors directory (same machine, CPU or GPU) that it reloads
+through ``/collective_rpc``: asyncrl's worker extension when the server loaded it (it keeps tied weights tied),
+else vLLM's ``reload_weights``. On GPU, ``nccl.NcclWeightTransport`` broadcasts them through vLLM's NCCL
+weight-transfer backend instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from asyncrl.aio import settle, together
+from asyncrl.config import SamplingConfig
+from asyncrl.engines.common import completion_room, restore_good_weights
+from asyncrl.engines.protocols import WeightUpdate, request_seed
+from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
+from asyncrl.engines.vllm_remote.config import RemoteEngineConfig
+from asyncrl.engines.vllm_remote.streaming import SampleBuilder, SseReader
+from asyncrl.engines.weights import (StagedWeights, manifest_dtype, read_manifest, staging_root, validate_and_stage,
+                                     validate_update)
+from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
+from asyncrl.types import PauseMode, Sample
+
+log = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_S = 2.0  # best-effort server-side abort of a cancelled request
+_READ_BUFSIZE = 4 * 2**20  # the first streamed chunk echoes the prompt ids; long prompts make long lines
+# Idle connections are dropped well before the server's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s):
+# reusing one the server is closing fails the request with "Server disconnected" (seen).
+_KEEPALIVE_S = 2.0
+# After a pause call was cut short the server may still apply it after our resume (its handler runs on): check
+# this many times, this far apart, and resume again if it did. Nothing on the server signals it.
+_RECHECKS_S = (0.05, 0.25, 1.0)
+
+
+class WeightTransport(Protocol):
+    """Moves validated weights into the server (the default, file reload, lives in the engine itself)."""
+
+    async def setup(self, api: ServerApi) -> None:
+        """Called once by ``RemoteVLLMEngine.connect``."""
+        ...
+
+    async def send(self, api: ServerApi, update: WeightUpdate) -> None:
+        """Load ``update`` into the (paused) server. A failure leaves the server's weights undefined."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class RemoteVLLMEngine:
+    """Sampler, weight target and lifecycle over a vLLM OpenAI server. Build it with ``await connect(cfg)``.
+
+    ``connect`` assumes the server holds ``cfg.model_dir``'s weights, which are version 0. The engine never
+    starts or stops the server (``vllm_remote.process.start_vllm_server`` does that).
+    """
+
+    def __init__(self, cfg: RemoteEngineConfig, api: ServerApi, info: ServerInfo, name: str,
+                 transport: WeightTransport | None = None) -> None:
+        self._cfg = cfg
+        self._api = api
+        self._info = info
+        self.name = name
+        self._transport = transport
+        self._version = 0
+        self._manifest = read_manifest(cfg.model_dir)
+        # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
+        self._good = StagedWeights(Path(cfg.model_dir), owned=False)
+        self._inflight: dict[int, SampleBuilder] = {}  # open streams, by a counter (request ids may repeat)
+        self._next_stream = 0
+        self._requests = 0  # samples requested, ever
+        self._pause_in_doubt = False  # a pause call was cut short: the server may apply it late
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, cfg: RemoteEngineConfig, *, name: str | None = None,
+                      transport: WeightTransport | None = None) -> RemoteVLLMEngine:
+        """Open a session to the server, check it serves ``cfg.model``, and set its weight version to 0."""
+        name = name or cfg.base_url
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        # limit=0: control calls (pause!) must never queue behind hundreds of open generation streams.
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
+                                        headers=headers, read_bufsize=_READ_BUFSIZE)
+        try:
+            api = ServerApi(session, cfg, name)
+            engine = cls(cfg, api, await server_info(api), name, transport)
+            await engine._set_version(0)
+            if transport is not None:
+                await transport.setup(api)
+        except BaseException:
+            await session.close()
+            raise
+        log.info("connected to vLLM server %s (max_model_len %d)", cfg.base_url, engine.max_model_len)
+        return engine
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def config(self) -> RemoteEngineConfig:
+        return self._cfg
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges of this engine's client side."""
+        return {"engine/inflight_requests": len(self._inflight),
+                "engine/inflight_tokens": sum(b.num_tokens for b in self._inflight.values()),
+                "engine/requests": self._requests}
+
+    def inflight(self) -> dict[str, int]:
+        """Tokens received so far by each open request, by request id ("{request_id}-{sample index}")."""
+        return {b.request_id: b.num_tokens for b in self._inflight.values()}
+
+    # -- sampling ----------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        max_tokens = completion_room(prompt_ids, self.max_model_len, params.max_tokens)
+        self._raise_if_closed()
+        # One request per sample: its own seed, and it can be aborted alone.
+        return await together(*(self._one(self._body(prompt_ids, params, i, max_tokens, request_id))
+                                for i in range(params.n if n is None else n)))
+
+    def _body(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int, max_tokens: int,
+              request_id: str) -> dict[str, Any]:
+        return {
+            "model": self._cfg.model, "prompt": list(prompt_ids), "n": 1, "max_tokens": max_tokens,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "seed": request_seed(params.seed, f"{request_id}-{index}"), "ignore_eos": params.ignore_eos,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,  # token ids per chunk: no tokenizer needed on this side
+            "return_tokens_as_token_ids": True,  # spares the server detokenising each log-prob entry
+            "stream": True, "request_id": f"{request_id}-{index}",
+        }
+
+    async def _one(self, body: dict[str, Any]) -> Sample:
+        request_id = body["request_id"]
+        builder = SampleBuilder(self.name, request_id, self._version)
+        stream = self._next_stream
+        self._next_stream += 1
+        self._inflight[stream] = builder
+        self._requests += 1
+        try:
+            # No total timeout (a paused request waits as long as the pause); liveness probes instead.
+            resp = await self._watched(self._api.session.post(
+                f"{self._cfg.base_url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=None)))
+            async with resp:
+                if resp.status != 200:
+                    raise self._refusal(resp.status, await resp.text(), request_id)
+                reader = SseReader(resp.content)
+                while (event := await self._watched(reader.next_event())) is not None:
+                    builder.add(event, self._version)
+        except asyncio.CancelledError:
+            # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
+            await asyncio.shield(self._abort_on_server(request_id))
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(self.name, f"request {request_id} to {self._cfg.base_url} failed: {exc!r}") from exc
+        finally:
+            del self._inflight[stream]
+        return builder.build(clean_end=reader.done)
+
+    def _refusal(self, status: int, text: str, request_id: str) -> Exception:
+        if status == 400:  # validation: the prompt (or its length) was refused
+            return PromptRejected(f"engine {self.name} refused request {request_id}: {text[:500]}")
+        return ServerStatusError(self.name, f"request {request_id}: HTTP {status}: {text[:500]}", status)
+
+    async def _abort_on_server(self, request_id: str) -> None:
+        # The completions endpoint names the engine request "cmpl-{request_id}-{prompt index}" (0.26 and 0.32).
+        try:
+            await self._api.post("/abort_requests", body={"request_ids": [f"cmpl-{request_id}-0"]},
+                                 timeout_s=_ABORT_TIMEOUT_S)
+        except EngineError as exc:
+            log.debug("abort of %s on %s failed: %s", request_id, self.name, exc)
+
+    async def _watched(self, aw: Any) -> Any:
+        """Await ``aw``; while it is pending, probe /health every ``health_check_interval_s``.
+
+        A stream is silent while the server is paused, so silence alone proves nothing; failed probes do."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._cfg.health_check_interval_s)
+                if done:
+                    return task.result()
+                await self._api.probe_if_quiet()
+        finally:
+            task.cancel()
+
+    async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-prob of each token after the first given the tokens before it, at temperature 1 (for checks
+        and evaluation; no role's Protocol needs it)."""
+        self._raise_if_closed()
+        out = await self._api.post("/v1/completions", body={
+            "model": self._cfg.model, "prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0,
+            "temperature": 1.0, "return_tokens_as_token_ids": True,
+        })
+        steps = out["choices"][0]["prompt_logprobs"][1:]
+        return [float(step[str(tok)]["logprob"]) for tok, step in zip(token_ids[1:], steps, strict=True)]
+
+    # -- weight target -------------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._raise_if_closed()
+        mode = PauseMode(mode)
+        params = {"mode": mode.value, "clear_cache": "true" if clear_cache else "false"}
+        # ``wait`` returns only when every in-flight request has finished: no total timeout, probes instead.
+        timeout = math.inf if mode is PauseMode.WAIT else None
+        try:
+            await self._watched(self._api.post("/pause", params=params, timeout_s=timeout))
+        except BaseException:
+            self._pause_in_doubt = True
+            raise
+
+    async def resume(self) -> None:
+        self._raise_if_closed()
+        await self._api.post("/resume")
+        if self._pause_in_doubt:
+            self._pause_in_doubt = False
+            for delay in _RECHECKS_S:
+                await asyncio.sleep(delay)
+                if (await self._api.get("/is_paused")).get("is_paused"):
+                    log.warning("%s applied a cut-short pause after the resume; resuming again", self.name)
+                    await self._api.post("/resume")
+
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
+        """Validate (and, for file reloads, stage) before the pause. A pool member's staging is adopted."""
+        if self._transport is not None:
+            await asyncio.to_thread(validate_update, update.tensors, self._manifest)
+            return update
+        if isinstance(update.staged, StagedWeights):
+            return replace(update, staged=update.staged.acquire())
+        root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else staging_root()
+        staged = await validate_and_stage(update.tensors, self._manifest, manifest_dtype(self._manifest), root)
+        return replace(update, staged=staged)
+
+    def release(self, update: WeightUpdate) -> None:
+        if isinstance(update.staged, StagedWeights):
+            update.staged.release()
+
+    async def load(self, update: WeightUpdate) -> None:
+        """Load a prepared update; runs to its end even if the caller is cancelled meanwhile."""
+        self._raise_if_closed()
+        await settle(self._load(update), f"loading version {update.version} into {self.name}")
+
+    async def _load(self, update: WeightUpdate) -> None:
+        if self._transport is not None:
+            await self._load_through_transport(update)
+        elif isinstance(update.staged, StagedWeights):
+            await self._load_from_files(update.staged)
+        else:
+            raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
+        await self._set_version(update.version)
+
+    async def _load_from_files(self, staged: StagedWeights) -> None:
+        try:
+            await self._reload(staged.path)
+        except Exception as exc:
+            await restore_good_weights(self.name, self._reload, self._good.path, exc)
+            raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc}); previous weights "
+                                    f"restored, version stays {self._version}") from exc
+        previous, self._good = self._good, staged.acquire()
+        previous.release()
+
+    async def _reload(self, weights_dir: Path) -> None:
+        await self._api.post("/collective_rpc", body={
+            "method": self._info.reload_method, "kwargs": {"weights_path": str(weights_dir)},
+            "timeout": self._cfg.request_timeout_s,
+        })
+
+    async def _load_through_transport(self, update: WeightUpdate) -> None:
+        assert self._transport is not None
+        try:
+            await self._transport.send(self._api, update)
+        except (EngineError, WeightUpdateError):
+            raise
+        except Exception as exc:
+            raise EngineError(self.name, f"weight transfer failed ({exc!r}); the server's weights are "
+                                         f"undefined") from exc
+
+    async def _set_version(self, version: int) -> None:
+        if self._info.stamps_versions:
+            try:
+                await self._api.post("/update_weight_version", body={"new_version": str(version)})
+            except EngineError as exc:  # informational on the server; our own version is the one we use
+                log.warning("could not set weight version %d on %s: %s", version, self.name, exc)
+        self._version = version
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise EngineError(self.name, "engine is closed")
+
+    async def check_alive(self) -> None:
+        self._raise_if_closed()
+        await self._api.check_health()
+
+    async def close(self) -> None:
+        """Close the HTTP session and remove staged weights (the server keeps running). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._transport is not None:
+                await self._transport.close()
+        finally:
+            await self._api.session.close()
+            self._good.release()

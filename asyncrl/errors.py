@@ -1,0 +1,45 @@
+"""Every error asyncrl raises on purpose, in one place. Each message names what was wrong."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``field`` names it as ``Section.field``."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class EngineError(RuntimeError):
+    """An engine failed or died. ``engine`` names which one."""
+
+    def __init__(self, engine: str, message: str) -> None:
+        super().__init__(f"engine {engine}: {message}")
+        self.engine = engine
+
+
+class PromptRejected(ValueError):
+    """The engine refused a prompt (too long for its context, empty...). The group can be dropped."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update was refused or failed. The engine kept (or was restored to) its previous weights and
+    its version did not change."""
+
+
+class QueueClosed(Exception):
+    """The rollout queue's receiving end was closed: no more groups are accepted."""
+
+
+class EndOfRollouts(Exception):
+    """Every sending end of the rollout queue was closed and the queue is drained: no more groups will come."""
+
+
+class InvalidGroupError(RuntimeError):
+    """A group was invalid and the producer is configured to fail fast (``InvalidGroupPolicy.FAIL``)."""
+
+
+class NoProgressError(RuntimeError):
+    """The run cannot make progress (nothing trainable arrives, the data ran out, a reward hangs); the message
+    says why, with the counts behind it."""
