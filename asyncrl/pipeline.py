@@ -10,6 +10,7 @@ and the engine is shut down (bounded by ``PipelineConfig.shutdown_timeout_s``) u
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -60,8 +61,10 @@ class Pipeline:
         if not producers:
             raise ValueError("Pipeline needs at least one producer")
         for p in producers:
-            if not callable(getattr(p.sink, "close", None)):
-                raise ValueError(f"producer {p.name}'s sink must be a RolloutSender of the pipeline's queue")
+            close = getattr(p.sink, "close", None)
+            if not callable(close) or inspect.iscoroutinefunction(close):
+                raise ValueError(f"producer {p.name}'s sink must be a RolloutSender of the pipeline's queue "
+                                 f"(got {type(p.sink).__name__})")
         self.engine = engine
         self.producers = list(producers)
         self.receiver = learner.receiver

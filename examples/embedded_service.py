@@ -1,16 +1,24 @@
 """An existing aiohttp service that also produces RL rollouts, in its own process and event loop.
 
-    ASYNCRL_TOKEN=secret python examples/embedded_service.py --model-dir DIR \\
+    ASYNCRL_TOKEN=secret python -m examples.embedded_service --model-dir DIR \\
         --port 8080 --ingest-url http://127.0.0.1:8100
 
-The service keeps its own routes (``GET /hello``, ``GET /stats``). Through ``app.cleanup_ctx`` it starts, in
-the background, an in-process vLLM engine and a ``Producer`` that ships scored groups to a learner in another
-process (``examples/remote_learner.py``) with ``RemoteQueueClient``. ``EngineControl`` mounts the control
-routes under ``/asyncrl/`` so that learner can pause the engine, publish weights into it and resume it.
+The service keeps its own routes (``GET /hello``, ``GET /stats``). In the background it starts an in-process
+vLLM engine and a ``Producer`` that sends scored groups to a learner in another process
+(``examples.remote_learner``) through a ``RemoteQueueClient``. ``EngineControl`` mounts the control routes
+under ``/asyncrl/`` so that learner can pause the engine, publish weights into it and resume it. The service
+answers while the engine starts (control calls get 503 until it is up), and keeps answering after the
+learner has gone.
 
-The service answers while the engine starts (control calls get 503 until it is up), and keeps answering if
-the learner goes away. SIGINT / SIGTERM: aiohttp runs the cleanup, which cancels the producer and shuts the
-engine down (its engine-core process with it). Prints one JSON line per event on stdout.
+Shutdown (the service's side of the handshake in ``asyncrl.engines.embedded.server``):
+
+- the learner closes its queue once its last publication has landed: the producer hears "queue closed" and
+  returns, the engine is detached from the control routes (once no pause is held) and closed;
+- SIGINT / SIGTERM: the RL part is stopped first, while the HTTP server still takes connections, so a
+  learner holding a pause can still resume; only then does the HTTP server stop. (aiohttp's ``run_app``
+  would close the listening socket before any cleanup hook runs, hence the runner is driven here.)
+
+Prints one JSON line per event on stdout.
 """
 
 from __future__ import annotations
@@ -20,24 +28,23 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from asyncrl import ProducerConfig, Prompt, PromptSource, SamplingConfig  # noqa: E402
-from asyncrl.actors.producer import Producer  # noqa: E402
-from asyncrl.aio import first_cause  # noqa: E402
-from asyncrl.engines.control import EngineControl  # noqa: E402
-from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig  # noqa: E402
-from asyncrl.queues.remote import RemoteQueueClient  # noqa: E402
-from asyncrl.tasks import arithmetic  # noqa: E402
+import asyncrl
+from asyncrl import ProducerConfig, Prompt, PromptSource, SamplingConfig
+from asyncrl.actors.producer import Producer
+from asyncrl.aio import first_cause
+from asyncrl.engines.embedded import EngineControl
+from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from asyncrl.queues.ingest_client import RemoteQueueClient
+from asyncrl.tasks import arithmetic
 
 log = logging.getLogger("embedded_service")
 
@@ -53,7 +60,7 @@ class Rollouts:
     control: EngineControl
     engine: VLLMEngine | None = None
     producer: Producer | None = None
-    state: str = "starting"  # starting -> producing -> finished | failed: ...
+    state: str = "starting"  # starting -> producing -> finished | stopped | failed: ...
 
 
 ROLLOUTS = web.AppKey("rollouts", Rollouts)
@@ -70,7 +77,7 @@ async def stats(request: web.Request) -> web.Response:
     r = request.app[ROLLOUTS]
     return web.json_response({
         "state": r.state, "engine_version": r.engine.version if r.engine else None,
-        "producer": asdict(r.producer.stats) if r.producer else None, **r.control.metrics(),
+        "producer": asdict(r.producer.counters) if r.producer else None, **r.control.metrics(),
     })
 
 
@@ -83,76 +90,72 @@ def prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
         yield Prompt(f"p{i}", ids, p.prompt, p.answer)
 
 
-# Engine start and shutdown run to the end even when the service is stopped meanwhile: a start abandoned
-# half-way, or a shutdown left to a thread nobody waits for, would leave vLLM's engine-core process behind.
-
-
-async def start_engine(cfg: VLLMEngineConfig) -> VLLMEngine:
-    starting = asyncio.ensure_future(VLLMEngine.start(cfg))
-    try:
-        return await asyncio.shield(starting)
-    except asyncio.CancelledError:
-        await close_engine(await starting)
-        raise
-
-
-async def close_engine(engine: VLLMEngine) -> None:
-    closing = asyncio.ensure_future(engine.close())
-    try:
-        await asyncio.shield(closing)
-    except asyncio.CancelledError:
-        await closing
-        raise
-    finally:
-        emit("engine_closed")
-
-
-async def produce(r: Rollouts, args: argparse.Namespace, token: str) -> None:
+async def produce(r: Rollouts, engine: VLLMEngine, args: argparse.Namespace, token: str) -> None:
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    sampling = SamplingConfig(n=args.n, max_tokens=args.max_tokens, temperature=1.0)
+    # The learner starts listening only once it has read this engine's version: be patient at first. Once
+    # the learner has said "queue closed" the client stops retrying, so patience costs nothing at the end.
+    async with RemoteQueueClient(args.ingest_url, token, max_retries=30, max_backoff_s=2.0) as sink:
+        r.producer = Producer(engine, PromptSource(prompts(tokenizer, args.seed)),
+                              lambda prompt, sample: arithmetic.reward(sample.text, prompt.answer), sink,
+                              ProducerConfig(sampling=sampling, max_inflight_groups=args.inflight))
+        r.state = "producing"
+        await r.producer.run()  # returns when the learner closes its queue
+
+
+async def run_rollouts(r: Rollouts, args: argparse.Namespace, token: str) -> None:
+    """Start the engine, produce until the learner closes its queue, then close the engine: only after no
+    pause is held (``serving``). A failure of the RL part must not take the service down."""
     cfg = VLLMEngineConfig(model=args.model_dir, dtype="float32", max_model_len=128, max_num_seqs=16)
     try:
-        r.engine = await start_engine(cfg)
-        r.control.engine = r.engine  # control routes go live
+        r.engine = await VLLMEngine.start(cfg)  # a cancelled start shuts the half-started engine down
         emit("engine_ready", version=r.engine.version)
-        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-        sampling = SamplingConfig(n=args.n, max_tokens=args.max_tokens, temperature=1.0)
-        async with RemoteQueueClient(args.ingest_url, token) as sink:
-            r.producer = Producer(r.engine, PromptSource(prompts(tokenizer, args.seed)),
-                                  lambda prompt, sample: arithmetic.reward(sample.text, prompt.answer), sink,
-                                  ProducerConfig(sampling=sampling, max_inflight_groups=args.inflight))
-            r.state = "producing"
-            await r.producer.run()  # returns when the learner closes its queue
-        r.state = "finished"
-    except Exception as exc:  # the RL part failing (e.g. the learner gone) must not take the service down
+        try:
+            async with r.control.serving(r.engine):
+                await produce(r, r.engine, args, token)
+            r.state = "finished"
+        finally:
+            await r.engine.close()  # runs to its end even while cancelled; vLLM's processes are gone after
+            emit("engine_closed")
+    except asyncio.CancelledError:
+        r.state = "stopped"
+        raise
+    except Exception as exc:
         log.exception("rollout producer failed")
         r.state = f"failed: {first_cause(exc) if isinstance(exc, ExceptionGroup) else exc!r}"
     finally:
-        r.control.engine = None
-        if r.engine is not None:
-            await close_engine(r.engine)
+        emit("rollouts_done", state=r.state)
 
 
-def rollouts_ctx(args: argparse.Namespace, token: str):
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        r = app[ROLLOUTS]
-        task = asyncio.create_task(produce(r, args, token), name="rollouts")  # owned: cancelled below
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await r.control.close()
-
-    return ctx
-
-
-def build_app(args: argparse.Namespace, token: str) -> web.Application:
+def build_app(token: str) -> web.Application:
     app = web.Application()
     app.add_routes([web.get("/hello", hello), web.get("/stats", stats)])
     control = EngineControl(None, token)  # the engine is attached once it has started
     app.add_routes(control.routes("/asyncrl"))
     app[ROLLOUTS] = Rollouts(control)
-    app.cleanup_ctx.append(rollouts_ctx(args, token))
     return app
+
+
+async def main(args: argparse.Namespace, token: str) -> None:
+    app = build_app(token)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        emit("listening", url=f"http://{args.host}:{args.port}")
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        rollouts = asyncio.create_task(run_rollouts(app[ROLLOUTS], args, token), name="rollouts")
+        await stop.wait()
+        # The RL part first, while the routes still answer: a learner mid-publication can still resume.
+        rollouts.cancel()
+        await asyncio.gather(rollouts, return_exceptions=True)
+        await app[ROLLOUTS].control.close()
+    finally:
+        await runner.cleanup()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,6 +182,5 @@ if __name__ == "__main__":
     # intra-op thread keeps torch's OpenMP pool from spinning against the event loop: on a busy 2-core
     # machine it stalled this service's routes for ~200 ms at every weight update.
     torch.set_num_threads(1)
-    web.run_app(build_app(args, token), host=args.host, port=args.port, shutdown_timeout=5, access_log=None,
-                print=lambda _: emit("listening", url=f"http://{args.host}:{args.port}"))
+    asyncrl.run(main(args, token))
     emit("stopped")

@@ -1,15 +1,19 @@
-"""The learner process for ``examples/embedded_service.py``: rollouts come in over HTTP, weights go out.
+"""The learner process for ``examples.embedded_service``: rollouts come in over HTTP, weights go out.
 
-    ASYNCRL_TOKEN=secret python examples/remote_learner.py --model-dir DIR \\
+    ASYNCRL_TOKEN=secret python -m examples.remote_learner --model-dir DIR \\
         --port 8100 --service-url http://127.0.0.1:8080 --steps 20
 
-A ``RolloutIngestServer`` feeds a ``RolloutQueue`` with the groups the service's producer ships; a GRPO
-``Learner`` trains on them and publishes every new version through the standard ``WeightSync`` into a
-``RemoteControlEngine``, i.e. into the engine embedded in the service. There are no producers here, so no
-``Pipeline``: just the ingest server and ``learner.run(steps)``.
+A ``RemoteControlEngine`` reads the version of the engine embedded in the service (waiting for it to start);
+the ``VersionClock`` starts there. A ``RolloutIngestServer`` holds the sending end of the rollout queue and
+feeds it the groups the service's producer sends; a GRPO ``Learner`` reads the receiving end and publishes
+every new version through the standard ``WeightSync`` into the ``RemoteControlEngine``. There are no
+producers here, so no ``Pipeline``: just the ingest server and ``learner.run(steps)``.
 
-Prints one JSON line per event on stdout (``ready``, ``step``, ``done``). SIGINT / SIGTERM stop it cleanly:
-the queue is closed (the service's producer sees that and stops) and the ingest server shut down.
+Shutdown (the learner's side of the handshake in ``asyncrl.queues.ingest_server``): when the steps are done,
+or on SIGINT / SIGTERM, ``learner.run`` returns or raises only once its last publication has resumed the
+engine (or failed, with an error naming the call). Then the queue is closed, and the ingest server, as it
+stops, waits until the service's producer has heard "queue closed"; the producer stops, and the service
+closes its engine. Prints one JSON line per event on stdout (``ready``, ``step``, ``done``, ``stopped``).
 """
 
 from __future__ import annotations
@@ -21,59 +25,66 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-import asyncrl  # noqa: E402
-from asyncrl import LearnerConfig, QueueConfig, RolloutQueue, SyncConfig  # noqa: E402
-from asyncrl.actors.learner import Learner  # noqa: E402
-from asyncrl.actors.weight_sync import WeightSync  # noqa: E402
-from asyncrl.algorithms.losses import GRPOLoss, LossConfig  # noqa: E402
-from asyncrl.engines.control import RemoteControlEngine  # noqa: E402
-from asyncrl.queues.remote import IngestServerConfig, RolloutIngestServer  # noqa: E402
+import asyncrl
+from asyncrl import LearnerConfig, QueueConfig, RolloutReceiver, SyncConfig, VersionClock, create_rollout_queue
+from asyncrl.actors.learner import Learner
+from asyncrl.actors.weight_sync import WeightSync
+from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+from asyncrl.engines.embedded import RemoteControlEngine
+from asyncrl.queues.ingest_server import IngestServerConfig, RolloutIngestServer
 
 
 def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def build_learner(args: argparse.Namespace, queue: RolloutQueue, engine: RemoteControlEngine) -> Learner:
+def build_learner(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync: WeightSync) -> Learner:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
     pad_id = AutoTokenizer.from_pretrained(args.model_dir).pad_token_id or 0
-    config = LearnerConfig(batch_groups=args.batch_groups, lr=args.lr,
-                           sync=SyncConfig(every=1, mode="keep", clear_cache=True))
+    config = LearnerConfig(batch_groups=args.batch_groups, lr=args.lr, sync=weight_sync.config)
     return Learner(model, torch.optim.AdamW(model.parameters(), lr=args.lr), GRPOLoss(LossConfig(), pad_id=pad_id),
-                   queue, WeightSync(engine, config.sync), config, version=engine.version)
+                   receiver, weight_sync, config)
+
+
+async def train(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync: WeightSync,
+                ingest: RolloutIngestServer) -> None:
+    learner = build_learner(args, receiver, weight_sync)
+
+    def report(step: int, metrics: dict[str, float]) -> None:
+        emit("step", step=step, version=learner.version, groups_received=ingest.counters["groups_stored"],
+             samples_trained=learner.samples_trained, reward_mean=metrics.get("train/reward_mean"),
+             staleness_mean=metrics["rollout/staleness_batch_mean"], sync_s=metrics.get("sync/total_s"),
+             prepare_s=metrics.get("sync/prepare_s"))
+
+    learner.hooks.append(report)
+    await learner.run(args.steps)  # the last publication has landed (or raised) when this returns
+    emit("done", steps=learner.step, version=learner.version, syncs=weight_sync.counters.published,
+         groups_received=ingest.counters["groups_stored"], samples_trained=learner.samples_trained)
 
 
 async def main(args: argparse.Namespace, token: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    queue = RolloutQueue(QueueConfig(capacity=args.queue_capacity, max_staleness=args.max_staleness))
-    async with RolloutIngestServer(queue, IngestServerConfig(token=token, host=args.host, port=args.port)) as ingest:
-        emit("ready", ingest_url=ingest.url)
-        engine = await RemoteControlEngine.connect(args.service_url, token, args.model_dir,
-                                                   ready_timeout_s=args.wait_s)
-        try:
-            learner = build_learner(args, queue, engine)
-
-            def report(step: int, metrics: dict[str, float]) -> None:
-                emit("step", step=step, version=learner.version, groups_received=ingest.counts["groups_stored"],
-                     samples_trained=learner.samples_trained, reward_mean=metrics.get("train/reward_mean"),
-                     staleness_mean=metrics["rollout/staleness_batch_mean"], sync_s=metrics.get("sync/total_s"),
-                     prepare_s=metrics.get("sync/prepare_s"))
-
-            learner.hooks.append(report)
-            await learner.run(args.steps)
-            emit("done", steps=learner.step, version=learner.version, syncs=learner.weight_sync.count,
-                 groups_received=ingest.counts["groups_stored"], samples_trained=learner.samples_trained)
-        finally:
-            await queue.close()  # in-flight and later posts get "queue closed": the producer stops
-            await engine.close()  # our HTTP session only; the engine belongs to the service
+    engine = await RemoteControlEngine.connect(args.service_url, token, args.model_dir, ready_timeout_s=args.wait_s)
+    try:
+        clock = VersionClock(engine.version)
+        sender, receiver = create_rollout_queue(
+            QueueConfig(capacity=args.queue_capacity, max_staleness=args.max_staleness), clock)
+        sync = WeightSync(engine, clock, SyncConfig(every=1, mode="keep", clear_cache=True))
+        config = IngestServerConfig(token=token, host=args.host, port=args.port)
+        async with RolloutIngestServer(sender, config, queue_metrics=receiver.metrics) as ingest:
+            emit("ready", ingest_url=ingest.url)
+            try:
+                await train(args, receiver, sync, ingest)
+            finally:
+                receiver.close()  # after the last publication: the producer now hears "queue closed"
+        # Leaving ``async with`` waited (up to close_grace_s) for the producer to hear it, then stopped.
+    finally:
+        await engine.close()  # our HTTP session only; the engine belongs to the service
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,4 +110,5 @@ if __name__ == "__main__":
     try:
         asyncrl.run(main(args, token))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        emit("stopped")
+        pass
+    emit("stopped")

@@ -1,10 +1,13 @@
-"""Producers inside an existing service: engine control over HTTP, and the two example processes end to end.
+"""Producers inside an existing service: engine control over HTTP, the shutdown handshake, and the two example
+processes end to end.
 
-Fast tests run ``EngineControl`` on a real aiohttp server on 127.0.0.1 in front of a ``FakeEngine``. The
-``vllm`` test starts ``examples/remote_learner.py`` and ``examples/embedded_service.py`` as real processes on
-loopback, measures the service's own endpoint latency while rollouts stream and weights are published, and
-checks that SIGTERM / SIGINT leave no process behind. It waits on the processes' JSON event lines and on HTTP
-answers, each with a deadline.
+Fast tests run ``EngineControl`` on a real aiohttp server on 127.0.0.1 in front of a ``FakeEngine``; the
+handshake tests add a producer, a ``RemoteQueueClient``, a ``RolloutIngestServer`` and a learner, all in this
+process. The ``vllm`` test starts ``examples.remote_learner`` and ``examples.embedded_service`` as real
+processes on loopback, measures the service's own endpoint latency while rollouts stream and weights are
+published, and checks the shutdown: the learner's Ctrl-C ends the service's producer and then its engine,
+SIGTERM ends the service, and no process is left behind. It waits on the processes' JSON event lines and on
+HTTP answers, each with a deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -33,18 +36,28 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
+from asyncrl.actors.learner import Learner
+from asyncrl.actors.producer import Producer
 from asyncrl.actors.weight_sync import WeightSync
-from asyncrl.config import ConfigError, SamplingConfig, SyncConfig
-from asyncrl.engines.base import Engine, WeightUpdate, WeightUpdateError
-from asyncrl.engines.control import ControlError, EngineControl, RemoteControlEngine, engine_control_routes
+from asyncrl.algorithms.losses import LossOutput
+from asyncrl.config import ConfigError, LearnerConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
+from asyncrl.data import PromptSource
+from asyncrl.engines.embedded import ControlError, EngineControl, RemoteControlEngine, engine_control_routes
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.engines.server_process import free_port
+from asyncrl.engines.protocols import (
+    Engine, Lifecycle, Sampler, StagedInEngine, WeightTarget, WeightUpdate, WeightUpdateError,
+)
+from asyncrl.engines.vllm_remote.process import free_port
 from asyncrl.engines.weights import ParamSpec, read_manifest, stage, validate_update
+from asyncrl.queues.ingest_client import RemoteQueueClient
+from asyncrl.queues.ingest_server import IngestServerConfig, RolloutIngestServer
+from asyncrl.queues.rollout_queue import create_rollout_queue
+from asyncrl.types import PauseMode, Prompt, RolloutGroup
+from asyncrl.versions import VersionClock
 
 pytestmark = pytest.mark.filterwarnings("error")
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results" / "embedded_latency_cpu.json"
 TOKEN = "control-s3cret"
 WAIT_S = 5.0  # bound on any awaited event in the fast tests
 
@@ -53,27 +66,48 @@ WAIT_S = 5.0  # bound on any awaited event in the fast tests
 
 
 class CheckedFakeEngine(FakeEngine):
-    """A FakeEngine that validates updates against a manifest and prepares them ahead, as VLLMEngine does."""
+    """A FakeEngine that validates updates against a manifest in ``prepare``, as VLLMEngine does, and records
+    what the control routes asked of it. ``gate``, when set, holds every load until it opens."""
 
-    def __init__(self, manifest: dict[str, ParamSpec]) -> None:
+    def __init__(self, manifest: dict[str, ParamSpec], gate: asyncio.Event | None = None) -> None:
         super().__init__()
         self.manifest = manifest
+        self.gate = gate
+        self.loading = asyncio.Event()  # set once a load has begun
         self.prepared: list[int] = []  # versions prepared
-        self.discarded: list[int] = []  # versions discarded unloaded
+        self.prepared_while_paused: list[int] = []  # the pause should cover only the load
+        self.released: list[int] = []  # versions released (once each, loaded or not)
+        self.calls: list[str] = []  # pause, load, resume and close, in order
 
-    async def prepare_update(self, update: WeightUpdate) -> WeightUpdate:
-        assert self._running.is_set(), "prepared while paused: the pause should cover only the load"
+    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         validate_update(update.tensors, self.manifest)
         self.prepared.append(update.version)
-        return replace(update, staged=Path(f"/prepared/v{update.version}"))
+        if not self._running.is_set():
+            self.prepared_while_paused.append(update.version)
+        return replace(update, staged=StagedInEngine(update.version))
 
-    def discard_update(self, update: WeightUpdate) -> None:
-        self.discarded.append(update.version)
+    def release(self, update: WeightUpdate) -> None:
+        self.released.append(update.version)
 
-    async def update_weights(self, update: WeightUpdate) -> None:
-        if update.staged is None:
-            validate_update(update.tensors, self.manifest)
-        await super().update_weights(update)
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self.calls.append("pause")
+        await super().pause(mode, clear_cache)
+
+    async def load(self, update: WeightUpdate) -> None:
+        assert update.staged == StagedInEngine(update.version), "loaded an update that was not prepared"
+        self.calls.append(f"load{update.version}")
+        self.loading.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        await super().load(update)
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+        await super().resume()
+
+    async def close(self) -> None:
+        self.calls.append("close")
+        await super().close()
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -94,6 +128,10 @@ def staging(tmp_path: Path) -> Path:
     out = tmp_path / "staging"
     out.mkdir()
     return out
+
+
+def staged(tensors: dict[str, torch.Tensor], root: Path) -> str:
+    return str(stage(tensors, torch.float32, root).path)
 
 
 async def hello(request: web.Request) -> web.Response:
@@ -139,7 +177,7 @@ async def test_control_routes_refuse_requests_without_the_token(auth: str | None
     async with control_server(engine) as (url, _):
         for method, path, body in [("POST", "pause", {"mode": "abort", "clear_cache": True}),
                                    ("POST", "resume", {}), ("POST", "weights", {"version": 1, "path": "/x"}),
-                                   ("GET", "version", None)]:
+                                   ("POST", "prepare", {"version": 1, "path": "/x"}), ("GET", "version", None)]:
             headers = {"Authorization": auth} if auth else {}
             async with aiohttp.ClientSession() as s:
                 async with s.request(method, f"{url}/asyncrl/{path}", json=body, headers=headers) as resp:
@@ -156,11 +194,13 @@ BAD_BODIES: list[tuple[str, str, bytes, str]] = [
     ("missing field", "pause", b'{"mode": "keep"}', "body: expected fields ['clear_cache', 'mode']"),
     ("unknown field", "weights", b'{"version": 1, "path": "/x", "x": 1}', "body: expected fields"),
     ("bad mode", "pause", b'{"mode": "sideways", "clear_cache": true}', "mode: must be one of"),
-    ("bool clear_cache", "pause", b'{"mode": "keep", "clear_cache": "yes"}', "clear_cache: must be bool"),
-    ("bool version", "weights", b'{"version": true, "path": "/x"}', "version: must be int"),
+    ("bool clear_cache", "pause", b'{"mode": "keep", "clear_cache": "yes"}', "clear_cache: must be a boolean"),
+    ("bool version", "weights", b'{"version": true, "path": "/x"}', "version: must be an integer"),
     ("negative version", "weights", b'{"version": -1, "path": "/x"}', "version: must be >= 0"),
     ("relative path", "weights", b'{"version": 1, "path": "x/y"}', "path: must be absolute"),
-    ("missing dir", "weights", b'{"version": 1, "path": "/nonexistent/asyncrl"}', "path: '/nonexistent/asyncrl' is not"),
+    ("missing dir", "weights", b'{"version": 1, "path": "/nonexistent/asyncrl"}',
+     "path: '/nonexistent/asyncrl' is not"),
+    ("oversize", "pause", b'{"mode": "' + b"k" * (64 << 10) + b'", "clear_cache": true}', "request body exceeds"),
 ]
 
 
@@ -170,7 +210,8 @@ async def test_malformed_control_requests_are_400_and_change_nothing(path: str, 
     engine = FakeEngine()
     async with control_server(engine) as (url, control):
         status, reply = await call(url, "POST", path, raw=raw)
-        assert status == 400 and reply["error"].startswith(message), reply
+        assert status == (413 if message.startswith("request body") else 400) and reply["error"].startswith(message)
+        assert status == 413 or message.startswith(reply["field"] + ":")  # a 400 names the field
         assert not control.paused
     assert engine._running.is_set() and engine.version == 0
 
@@ -182,17 +223,18 @@ async def test_weights_post_loads_the_staged_tensors_and_a_refused_update_is_409
     async with control_server(engine) as (url, control):
         assert (await call(url, "POST", "pause", {"mode": "keep", "clear_cache": True}))[0] == 200
         new = weights(seed=1)
-        status, reply = await call(url, "POST", "weights", {"version": 1, "path": str(stage(new, torch.float32, staging))})
+        status, reply = await call(url, "POST", "weights", {"version": 1, "path": staged(new, staging)})
         assert (status, reply) == (200, {"version": 1})
         assert engine.weights.keys() == new.keys() and all(torch.equal(engine.weights[k], new[k]) for k in new)
-        bad = stage({"layer.weight": torch.zeros(4, 3)}, torch.float32, staging)  # layer.bias missing
-        status, reply = await call(url, "POST", "weights", {"version": 2, "path": str(bad)})
+        bad = staged({"layer.weight": torch.zeros(4, 3)}, staging)  # layer.bias missing
+        status, reply = await call(url, "POST", "weights", {"version": 2, "path": bad})
         assert status == 409 and "missing ['layer.bias']" in reply["error"]
         assert (await call(url, "POST", "resume", {}))[0] == 200
         status, reply = await call(url, "GET", "version")
         assert (status, reply["version"], reply["paused"], reply["max_model_len"]) == (200, 1, False, 256)
-        assert control.counts["weights_200"] == 1 and control.counts["weights_409"] == 1
-    assert engine.version == 1 and engine._running.is_set() and engine.prepared == []
+        assert control.counters["weights_200"] == 1 and control.counters["weights_409"] == 1
+    # One call prepares, loads and releases; the refused update was never prepared, so nothing to release.
+    assert engine.version == 1 and engine._running.is_set() and (engine.prepared, engine.released) == ([1], [1])
 
 
 @pytest.mark.timeout(30)
@@ -201,18 +243,24 @@ async def test_prepare_then_load_only_the_prepared_version(model_dir: Path, stag
     async with control_server(engine) as (url, control):
         status, reply = await call(url, "POST", "weights", {"version": 2})
         assert status == 409 and "no prepared update for version 2" in reply["error"]
-        for version in (1, 2):  # the second prepare replaces (discards) the first
-            path = str(stage(weights(seed=version), torch.float32, staging))
-            assert await call(url, "POST", "prepare", {"version": version, "path": path}) == (200, {"prepared": version})
-        assert (engine.prepared, engine.discarded) == ([1, 2], [1])
+        for version in (1, 2):  # the second prepare replaces (releases) the first
+            path = staged(weights(seed=version), staging)
+            reply = await call(url, "POST", "prepare", {"version": version, "path": path})
+            assert reply == (200, {"prepared": version})
+        assert (engine.prepared, engine.released) == ([1, 2], [1])
         assert (await call(url, "POST", "weights", {"version": 1}))[0] == 409  # not the prepared one; kept
         assert await call(url, "POST", "weights", {"version": 2}) == (200, {"version": 2})
         assert torch.equal(engine.weights["layer.bias"], weights(seed=2)["layer.bias"])
+        assert engine.released == [1, 2]  # released once loaded (the engine keeps its own reference)
         assert (await call(url, "POST", "weights", {"version": 2}))[0] == 409  # loaded once, then gone
-        path = str(stage(weights(seed=3), torch.float32, staging))
+        path = staged(weights(seed=3), staging)
         assert (await call(url, "POST", "prepare", {"version": 3, "path": path}))[0] == 200
-        control.engine = None  # the service's engine goes away: its prepared update is dropped
-        assert engine.discarded == [1, 3]
+        assert (await call(url, "POST", "resume", {}))[0] == 200  # a publication ends with its resume
+        assert engine.released == [1, 2, 3] and (await call(url, "POST", "weights", {"version": 3}))[0] == 409
+        path = staged(weights(seed=4), staging)
+        assert (await call(url, "POST", "prepare", {"version": 4, "path": path}))[0] == 200
+        assert await control.detach() is engine  # the service's engine goes away: its prepared update is dropped
+        assert engine.released == [1, 2, 3, 4]
 
 
 @pytest.mark.timeout(30)
@@ -224,7 +272,8 @@ async def test_weights_root_confines_paths_and_unstarted_or_dead_engines_are_503
     async with control_server(None) as (url, control):
         assert await call(url, "GET", "version") == (503, {"error": "engine not started yet"})
         assert (await call(url, "GET", "health", token=None))[0] == 503
-        control.engine = engine = FakeEngine()
+        engine = FakeEngine()
+        control.attach(engine)
         assert (await call(url, "GET", "health", token=None))[0] == 200
         engine.alive = False
         status, reply = await call(url, "GET", "health", token=None)
@@ -251,29 +300,29 @@ async def test_remote_control_engine_drives_the_standard_weight_sync(model_dir: 
     async with control_server(engine) as (url, control):
         remote = await RemoteControlEngine.connect(url, TOKEN, model_dir, staging_dir=staging)
         try:
-            assert isinstance(remote, Engine) and TOKEN not in repr(remote)
-            assert (remote.version, remote.max_model_len) == (0, 256)
+            assert isinstance(remote, WeightTarget) and isinstance(remote, Lifecycle)
+            assert not isinstance(remote, Sampler) and not hasattr(remote, "generate")  # it never samples
+            assert TOKEN not in repr(remote) and remote.version == 0
+            clock = VersionClock(remote.version)
             new = weights(seed=2)
-            timing = await WeightSync(remote, SyncConfig(mode="keep")).publish(new, version=1)
-            assert timing.version == 1 and remote.version == engine.version == 1
-            assert engine.prepared == [1]  # checked and staged by the service before the pause
+            timing = await WeightSync(remote, clock, SyncConfig(mode="keep")).publish(new, version=1)
+            assert timing.version == 1 and remote.version == engine.version == clock.served == 1
+            assert (engine.prepared, engine.prepared_while_paused, engine.released) == ([1], [], [1])
             assert all(torch.equal(engine.weights[k], new[k]) for k in new)
             assert engine._running.is_set() and not control.paused  # resumed
-            assert list(staging.iterdir()) == []  # the staged copy was deleted once loaded
+            assert list(staging.iterdir()) == []  # the staged copy was deleted once the service read it
             await remote.check_alive()
-            with pytest.raises(NotImplementedError, match="does not generate"):
-                await remote.generate((1, 2), SamplingConfig(), "r0")
             with pytest.raises(WeightUpdateError, match="NaN"):  # refused here, nothing sent
-                await remote.update_weights(WeightUpdate(2, {**new, "layer.bias": torch.full((3,), torch.nan)}))
+                await remote.prepare(WeightUpdate(2, {**new, "layer.bias": torch.full((3,), torch.nan)}))
             # version, prepare + pause + weights + resume, health
-            assert control.counts["weights_200"] == 1 and control.counts.total() == 6
+            assert control.counters["weights_200"] == 1 and control.counters.total() == 6
             engine.manifest = {**engine.manifest, "extra.weight": ParamSpec((1,), "F32")}
             with pytest.raises(WeightUpdateError, match="HTTP 409.*missing \\['extra.weight'\\]"):
-                await WeightSync(remote, SyncConfig()).publish(new, version=2)  # refused by the service's engine
-            assert control.counts["prepare_409"] == 1 and control.counts["pause_200"] == 1  # refused before pausing
-            with pytest.raises(WeightUpdateError, match="HTTP 409.*missing \\['extra.weight'\\]"):
-                await remote.update_weights(WeightUpdate(2, new))  # one shot, not prepared: refused too
-            assert remote.version == engine.version == 1 and list(staging.iterdir()) == []
+                await WeightSync(remote, clock, SyncConfig()).publish(new, version=2)  # refused by the service
+            assert control.counters["prepare_409"] == 1 and control.counters["pause_200"] == 1  # before pausing
+            with pytest.raises(WeightUpdateError, match="was not prepared"):
+                await remote.load(WeightUpdate(2, new))  # only a prepared update loads: refused, nothing sent
+            assert remote.version == engine.version == clock.served == 1 and list(staging.iterdir()) == []
         finally:
             await remote.close()
         wrong = RemoteControlEngine(url, "wrong", model_dir)
@@ -295,10 +344,135 @@ async def test_connect_waits_for_the_service_engine_to_start(model_dir: Path) ->
         for _ in range(2):  # refused twice: it is really waiting, not failing
             await asyncio.wait_for(refused.acquire(), WAIT_S)
         assert not connecting.done()
-        control.engine = FakeEngine()
+        control.attach(FakeEngine())
         remote = await asyncio.wait_for(connecting, WAIT_S)
         assert remote.version == 0
         await remote.close()
+
+
+# ---------------------------------------------------------------- fast: the shutdown handshake
+
+
+async def rollouts(control: EngineControl, engine: Engine, body: Callable[[], Any]) -> None:
+    """The service's RL part, as ``examples/embedded_service.py`` runs it: the engine is attached while
+    ``body`` (the producer) runs and closed once it is detached."""
+    try:
+        async with control.serving(engine):
+            await body()
+    finally:
+        await engine.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_service_stopping_mid_publication_keeps_its_engine_until_the_learner_resumes(
+        model_dir: Path, staging: Path) -> None:
+    """The service stops its rollouts (SIGTERM, or its producer ended) while the learner is loading weights.
+    The engine and its routes stay up until the learner's resume. (Before the handshake the service detached
+    and closed its engine at once, and the learner's sync failed with "HTTP 503: engine not started yet".)"""
+    engine = CheckedFakeEngine(read_manifest(model_dir), gate=asyncio.Event())
+    async with control_server(None) as (url, control):
+        service = asyncio.create_task(rollouts(control, engine, asyncio.Event().wait))  # produces until stopped
+        remote = await RemoteControlEngine.connect(url, TOKEN, model_dir, staging_dir=staging, ready_timeout_s=WAIT_S)
+        sync = WeightSync(remote, VersionClock(remote.version), SyncConfig(mode="keep"))
+        publishing = asyncio.create_task(sync.publish(weights(seed=1)))
+        await asyncio.wait_for(engine.loading.wait(), WAIT_S)  # paused, and loading
+        service.cancel()  # the service stops its RL part now
+        await asyncio.sleep(0)
+        assert control.engine is engine and not engine.closed  # held: the learner has a pause
+        late = asyncio.create_task(call(url, "POST", "pause", {"mode": "keep", "clear_cache": False}))
+        engine.gate.set()
+        timing = await asyncio.wait_for(publishing, WAIT_S)
+        assert (await asyncio.wait_for(late, WAIT_S))[0] == 503  # no new pause once the engine is going
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(service, WAIT_S)
+        assert timing.version == engine.version == remote.version == 1
+        assert engine.calls == ["pause", "load1", "resume", "close"] and engine.released == [1]
+        assert await call(url, "GET", "version") == (503, {"error": "engine closed: the service is shutting "
+                                                                    "down its rollouts"})
+        with pytest.raises(ControlError, match="HTTP 503: engine closed"):  # a clear error for a late learner
+            await remote.pause(PauseMode.KEEP, True)
+        await remote.close()
+
+
+@pytest.mark.timeout(30)
+async def test_detach_resumes_a_pause_the_learner_never_releases() -> None:
+    engine = FakeEngine()
+    async with control_server(engine) as (url, control):
+        assert (await call(url, "POST", "pause", {"mode": "keep", "clear_cache": False}))[0] == 200
+        assert await asyncio.wait_for(control.detach(release_timeout_s=0.1), WAIT_S) is engine
+        assert engine._running.is_set() and not control.paused and control.engine is None
+        assert await control.detach() is None  # idempotent
+
+
+class ZeroLoss:
+    """A loss with a zero gradient: the test is about what crosses the wire, not about learning."""
+
+    min_group_size = 1
+
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
+        zero = sum(p.sum() for p in model.parameters()) * 0.0
+        return LossOutput(loss=zero, metrics={}, num_tokens=sum(g.num_tokens for g in groups))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stop", ["steps_done", "cancelled_mid_publication"])
+async def test_the_learner_closing_its_queue_ends_the_service_producer_then_its_engine(
+        stop: str, tmp_path: Path, staging: Path) -> None:
+    """The whole handshake with both processes' parts in one: a learner stops (its steps are done, or it is
+    cancelled mid-publication as Ctrl-C does); its last publication lands first, then its queue closes, the
+    service's producer hears "queue closed" and returns normally, and only then does the engine close."""
+    torch.manual_seed(0)
+    model = Net()
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    engine = CheckedFakeEngine(read_manifest(tmp_path), gate=asyncio.Event() if stop != "steps_done" else None)
+    items = (Prompt(f"p{i}", (1, 2, 3), answer=i) for i in range(100_000))
+    producer_config = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=3), max_inflight_groups=2)
+    sinks: list[RemoteQueueClient] = []
+    ingest_url = f"http://127.0.0.1:{free_port()}"
+
+    async def produce() -> None:  # starts before the learner listens: its first posts are refused and retried
+        async with RemoteQueueClient(ingest_url, TOKEN, backoff_s=0.05, max_retries=50, max_backoff_s=0.2) as sink:
+            sinks.append(sink)
+            await Producer(engine, PromptSource(items), lambda p, s: 1.0, sink, producer_config).run()
+
+    async with control_server(None) as (url, control):
+        service = asyncio.create_task(rollouts(control, engine, produce))
+        # The learner process, as examples/remote_learner.py: the engine's version first, then the queue.
+        remote = await RemoteControlEngine.connect(url, TOKEN, tmp_path, staging_dir=staging, ready_timeout_s=WAIT_S)
+        clock = VersionClock(remote.version)
+        sender, receiver = create_rollout_queue(QueueConfig(capacity=4, max_staleness=4), clock)
+        config = IngestServerConfig(token=TOKEN, port=int(ingest_url.rsplit(":", 1)[1]))
+        async with RolloutIngestServer(sender, config, queue_metrics=receiver.metrics) as ingest:
+            learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroLoss(), receiver,
+                              WeightSync(remote, clock, SyncConfig(mode="keep")), LearnerConfig(batch_groups=2))
+            training = asyncio.create_task(learner.run(2))
+            try:
+                if stop == "steps_done":
+                    await asyncio.wait_for(training, WAIT_S)
+                else:
+                    await asyncio.wait_for(engine.loading.wait(), WAIT_S)
+                    training.cancel()  # Ctrl-C while the first publication is loading
+                    engine.gate.set()
+                    with pytest.raises(asyncio.CancelledError):
+                        await asyncio.wait_for(training, WAIT_S)
+            finally:
+                receiver.close()  # the learner's queue closes only after its last publication
+        # Leaving the ingest server waited for the producer to hear "queue closed".
+        assert ingest.unnotified() == [] and ingest.counters["http_503"] >= 1
+        await asyncio.wait_for(service, WAIT_S)  # the producer returned normally: no error, no retries
+        await remote.close()
+    versions = 2 if stop == "steps_done" else 1
+    assert clock.served == engine.version == remote.version == versions and sinks[0].queue_closed
+    assert engine.calls[-2:] == ["resume", "close"] and engine.closed
+    assert engine.released == engine.prepared == list(range(1, versions + 1))  # nothing left staged
+    assert list(staging.iterdir()) == [] and not control.paused
+
 
 
 # ---------------------------------------------------------------- vllm: the two example processes
@@ -418,6 +592,18 @@ async def stop(child: Child, sig: signal.Signals) -> float:
     return took
 
 
+def engine_processes(child: Child) -> list[psutil.Process]:
+    """The child's live descendants, but multiprocessing's resource tracker (it lives as long as its parent)."""
+    out = []
+    for p in child.tree()[1:]:
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 async def probe_latency(session: aiohttp.ClientSession, urls: dict[str, str],
                         until: asyncio.Future[Any]) -> dict[str, list[float]]:
     """GET each of ``urls`` in turn, at a steady cadence, until ``until`` is done and each answered MIN_PROBES."""
@@ -449,59 +635,85 @@ async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(
     children: list[Child] = []
     try:
         for name, argv in [
-            ("learner", ["examples/remote_learner.py", *model, "--port", str(ports["ingest"]),
+            ("learner", ["-m", "examples.remote_learner", *model, "--port", str(ports["ingest"]),
                          "--service-url", url["service"], "--steps", "1000"]),
-            ("service", ["examples/embedded_service.py", *model, "--port", str(ports["service"]),
+            ("service", ["-m", "examples.embedded_service", *model, "--port", str(ports["service"]),
                          "--ingest-url", url["ingest"]]),
             ("bare", ["-c", BARE_SERVICE, str(ports["bare"])]),
         ]:
             children.append(await Child.start(name, argv, env, tmp_path))
         learner, service, bare = children
-        await learner.wait_for("ingest ready", learner.event("ready"), 90)
         for child in (service, bare):
             await child.wait_for("listening", child.event("listening"), 90)
-        async with aiohttp.ClientSession() as session:
-            assert await http_json(session, f"{url['service']}/hello") == {"hello": "world"}  # before the engine
-            await service.wait_for("engine start", service.event("engine_ready"), 240)
-            first = await learner.wait_for("first step", learner.event("step"), 120)
-            # Rollouts stream now: probe the service's own route while the learner trains and publishes twice.
-            later = asyncio.ensure_future(learner.wait_for(
-                "two more publications", lambda e: e["event"] == "step" and e["version"] >= first["version"] + 2, 120))
-            try:
-                latencies = await probe_latency(
-                    session, {"embedded": f"{url['service']}/hello", "bare": f"{url['bare']}/hello"}, later)
-            finally:
-                later.cancel()
-            last = await later
-            stats = await http_json(session, f"{url['service']}/stats")
-        assert last["groups_received"] > 0 and last["samples_trained"] > 0 and last["step"] >= 2
-        assert stats["state"] == "producing" and stats["producer"]["groups"] >= last["groups_received"]
-        assert stats["engine_version"] >= last["version"] >= 2 and stats["control/weights_200"] >= 2
-
-        figures = latency_figures(latencies, first, last)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
-        emb, ref = figures["embedded"], figures["bare_aiohttp"]
-        print(f"\nGET /hello while rollouts stream ({figures['publications_during']} publications): "
-              f"n={emb['n']} p50={emb['p50_ms']} ms p99={emb['p99_ms']} ms max={emb['max_ms']} ms; "
-              f"bare aiohttp at the same moments p50={ref['p50_ms']} ms p99={ref['p99_ms']} ms max={ref['max_ms']} ms")
-        assert emb["p99_ms"] < ref["p99_ms"] + LATENCY_P99_BOUND_S * 1000, figures
-
-        # Stop the learner (Ctrl-C), then the service (as its supervisor would). Each process, and everything
-        # it started, is gone within EXIT_S of its signal. (Signalled at the same instant, a publication cut by
-        # the learner's shutdown may find the service already gone and end the learner with an EngineError.)
-        assert len(service.tree()) >= 3, "the service should own vLLM's engine-core and worker processes"
-        learner_s = await stop(learner, signal.SIGINT)
-        service_s = await stop(service, signal.SIGTERM)
-        await service.wait_for("engine closed", service.event("engine_closed"), EXIT_S)
-        await learner.wait_for("stopped", learner.event("stopped"), EXIT_S)
-        print(f"learner gone {learner_s:.1f}s after SIGINT; service and its engine processes gone {service_s:.1f}s "
-              f"after SIGTERM")
-        figures["shutdown_s"] = {"learner_after_sigint": round(learner_s, 2), "service_tree_after_sigterm": round(service_s, 2)}
-        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+        figures = await measure_while_training(learner, service, url)
+        figures["shutdown_s"] = await shut_down(learner, service, url)
+        # Written under tmp_path, never into the repository; printed so a run can be copied into bench/results.
+        result = tmp_path / "embedded_latency_cpu.json"
+        result.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"figures: {result}")
     finally:
         for child in children:
             await child.kill_leftovers()
+
+
+async def measure_while_training(learner: Child, service: Child, url: dict[str, str]) -> dict[str, Any]:
+    """Probe the service's own route (and a bare aiohttp server) while the learner trains and publishes."""
+    async with aiohttp.ClientSession() as session:
+        assert await http_json(session, f"{url['service']}/hello") == {"hello": "world"}  # before the engine
+        await service.wait_for("engine start", service.event("engine_ready"), 240)
+        # The learner listens once it has read the engine's version; the producer retries until then.
+        await learner.wait_for("ingest ready", learner.event("ready"), 90)
+        first = await learner.wait_for("first step", learner.event("step"), 120)
+        later = asyncio.ensure_future(learner.wait_for(
+            "two more publications", lambda e: e["event"] == "step" and e["version"] >= first["version"] + 2, 120))
+        try:
+            latencies = await probe_latency(
+                session, {"embedded": f"{url['service']}/hello", "bare": f"{url['bare']}/hello"}, later)
+        finally:
+            later.cancel()
+        last = await later
+        stats = await http_json(session, f"{url['service']}/stats")
+    assert last["groups_received"] > 0 and last["samples_trained"] > 0 and last["step"] >= 2
+    assert stats["state"] == "producing" and stats["producer"]["groups"] >= last["groups_received"]
+    assert stats["engine_version"] >= last["version"] >= 2 and stats["control/weights_200"] >= 2
+
+    figures = latency_figures(latencies, first, last)
+    emb, ref = figures["embedded"], figures["bare_aiohttp"]
+    print(f"\nGET /hello while rollouts stream ({figures['publications_during']} publications): "
+          f"n={emb['n']} p50={emb['p50_ms']} ms p99={emb['p99_ms']} ms max={emb['max_ms']} ms; "
+          f"bare aiohttp at the same moments p50={ref['p50_ms']} ms p99={ref['p99_ms']} ms max={ref['max_ms']} ms")
+    assert emb["p99_ms"] < ref["p99_ms"] + LATENCY_P99_BOUND_S * 1000, figures
+    return figures
+
+
+async def shut_down(learner: Child, service: Child, url: dict[str, str]) -> dict[str, float]:
+    """The handshake across processes. Ctrl-C stops the learner within EXIT_S; its last publication lands
+    first, so it exits 0 without a 503 from the service. Its queue closing ends the service's producer
+    normally (not after connection retries), and then the service's engine and its processes. The service
+    keeps serving until SIGTERM, and then it, and everything it started, is gone within EXIT_S."""
+    assert len(service.tree()) >= 3, "the service should own vLLM's engine-core and worker processes"
+    t0 = time.monotonic()
+    learner_s = await stop(learner, signal.SIGINT)
+    await learner.wait_for("stopped", learner.event("stopped"), EXIT_S)
+    await service.wait_for("engine closed", service.event("engine_closed"), EXIT_S)
+    engine_s = time.monotonic() - t0
+    done = await service.wait_for("rollouts done", service.event("rollouts_done"), EXIT_S)
+    assert done["state"] == "finished", service.diagnostics()
+    assert engine_processes(service) == [], "vLLM's processes outlived the engine"
+    async with aiohttp.ClientSession() as session:
+        assert (await http_json(session, f"{url['service']}/stats"))["state"] == "finished"
+        assert await http_json(session, f"{url['service']}/hello") == {"hello": "world"}
+    service_s = await stop(service, signal.SIGTERM)
+    await service.wait_for("stopped", service.event("stopped"), EXIT_S)
+    for child in (learner, service):
+        err = child.log.read_text(errors="replace")
+        assert "Exception ignored" not in err, f"{child.name}: something failed at exit\n{child.diagnostics()}"
+    learner_err = learner.log.read_text(errors="replace")
+    assert "HTTP 503" not in learner_err and "Traceback" not in learner_err, learner.diagnostics()
+    print(f"learner gone {learner_s:.1f}s after SIGINT; service's producer and engine done {engine_s:.1f}s after it; "
+          f"service gone {service_s:.1f}s after SIGTERM")
+    return {"learner_after_sigint": round(learner_s, 2), "service_engine_after_sigint": round(engine_s, 2),
+            "service_after_sigterm": round(service_s, 2)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -525,7 +737,8 @@ def latency_figures(latencies: dict[str, list[float]], first: dict[str, Any], la
         "embedded": summary_ms(latencies["embedded"]), "bare_aiohttp": summary_ms(latencies["bare"]),
         "probe_gap_s": PROBE_GAP_S, "publications_during": last["version"] - first["version"],
         "learner_steps_during": last["step"] - first["step"], "sync_s_last": round(last["sync_s"], 3),
-        "model": "tiny-arith (Qwen2, 2 layers, hidden 128)", "sampling": {"n": 4, "max_tokens": 8, "inflight_groups": 2},
+        "model": "tiny-arith (Qwen2, 2 layers, hidden 128)",
+        "sampling": {"n": 4, "max_tokens": 8, "inflight_groups": 2},
         "machine": {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
                     "platform": platform.platform(), "python": platform.python_version()},
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -164,3 +164,14 @@ async def test_cancellation_mid_run_stops_every_task_and_process(tiny_model_dir,
     assert pipe.result.unaccounted == 0
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
     assert not [t for t in tasks if "producer" in t.get_name() or "learner" in t.get_name()]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_blocking_reward_does_not_stall_the_event_loop(vllm_engine, tiny_model_dir, tokenizer):
+    from tests.test_guarantees import LoopLag, slow_reward
+
+    pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(inflight=4), reward_fn=slow_reward)
+    async with LoopLag() as lag:
+        stats = await pipe.run(steps=3)
+    assert stats.steps == 3 and stats.unaccounted == 0
+    assert lag.worst < 0.05, f"event loop stalled for {lag.worst * 1000:.0f} ms"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from asyncrl.actors.rewards import RewardFn, RewardRejected, RewardScorer
 from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 __all__ = ["GroupSink", "Producer", "ProducerCounters", "RewardFn"]
 
 
+@runtime_checkable
 class GroupSink(Protocol):
     """Where a producer ships finished groups: a ``RolloutSender`` or a ``RemoteQueueClient``."""
 

@@ -162,6 +162,11 @@ class RolloutSender:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def receiver_closed(self) -> bool:
+        """True once the receiving end is closed: every send raises ``QueueClosed`` from then on."""
+        return self._state.receiver_closed
+
     async def send(self, group: RolloutGroup) -> bool:
         """Queue a group, waiting while the queue is full. False if its id was already accepted.
 
@@ -169,6 +174,8 @@ class RolloutSender:
         state = self._state
         if self._closed:
             raise RuntimeError("send on a closed rollout sender")
+        if state.receiver_closed:
+            raise QueueClosed("the rollout queue's receiver is closed")
         if group.group_id in state.seen_ids:
             return False
         if state.full():

@@ -1,18 +1,23 @@
-"""JSON wire format for ``RolloutGroup`` (used by the remote ingestion server and client).
+"""JSON wire format for ``RolloutGroup`` (used by the rollout ingest server and its client).
 
 Plain JSON only, never pickle: the server reads bytes from the network and must not execute them.
 Decoding is strict because a malformed rollout that slips through corrupts the loss silently (a NaN
 log-prob, a log-prob list one token short, a span that misses tokens). Every error is a ``WireError``
-naming the bad field's path, e.g. ``rollouts[2].behaviour_logprobs: length 7 != completion_ids length 8``.
+naming the bad field's path, e.g. ``rollouts[2].sample.logprobs: length 7 != token_ids length 8``.
 
-Layout (``"v": 1``)::
+Layout (``"v": 2``; the prompt, its token ids included, is carried once per group)::
 
-    {"v": 1, "group_id": str, "created_at": float, "meta": {str: json},
+    {"v": 2, "group_id": str, "meta": {str: json},
      "prompt": {"prompt_id": str, "token_ids": [int], "text": str, "answer": json},
-     "rollouts": [{"group_id": str, "prompt_ids": [int], "completion_ids": [int],
-                   "behaviour_logprobs": [float], "reward": float, "finish_reason": "stop"|"length"|"abort",
-                   "version_spans": [{"version": int, "start": int, "end": int}],
-                   "version_start": int, "version_end": int, "text": str}]}
+     "rollouts": [{"sample": {"token_ids": [int], "logprobs": [float],
+                              "finish_reason": "stop"|"length"|"abort",
+                              "version_spans": [{"version": int, "start": int, "end": int}],
+                              "text": str},
+                   "reward": float}]}
+
+Version spans tile the completion: contiguous from token 0 to the last, each non-empty, versions never
+going back; a completion with no tokens carries exactly one empty span ``{"version": v, "start": 0, "end": 0}``
+(the version it was requested under). The arrival time is the receiving queue's business, not the wire's.
 
 ``group_from_json(group_to_json(g)) == g`` exactly: tuples come back as tuples, enums as enums. Values that
 JSON cannot carry exactly (tuples, sets, non-string keys, NaN) are refused when encoding rather than
@@ -25,14 +30,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, VersionSpan
+from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
-_GROUP_KEYS = {"v", "group_id", "created_at", "meta", "prompt", "rollouts"}
+_GROUP_KEYS = {"v", "group_id", "meta", "prompt", "rollouts"}
 _PROMPT_KEYS = {"prompt_id", "token_ids", "text", "answer"}
-_ROLLOUT_KEYS = {"group_id", "prompt_ids", "completion_ids", "behaviour_logprobs", "reward", "finish_reason",
-                 "version_spans", "version_start", "version_end", "text"}
+_ROLLOUT_KEYS = {"sample", "reward"}
+_SAMPLE_KEYS = {"token_ids", "logprobs", "finish_reason", "version_spans", "text"}
 _SPAN_KEYS = {"version", "start", "end"}
 _FINISH_REASONS = {r.value: r for r in FinishReason}
 
@@ -59,28 +64,22 @@ def group_to_json(group: RolloutGroup) -> dict[str, Any]:
     obj = {
         "v": WIRE_VERSION,
         "group_id": group.group_id,
-        "created_at": group.created_at,
         "meta": group.meta if isinstance(group.meta, dict) else dict(group.meta),
         "prompt": {"prompt_id": group.prompt.prompt_id, "token_ids": list(group.prompt.token_ids),
                    "text": group.prompt.text, "answer": group.prompt.answer},
-        "rollouts": [_rollout_to_json(r) for r in group.rollouts],
+        "rollouts": [{"sample": _sample_to_json(r.sample), "reward": r.reward} for r in group.rollouts],
     }
     group_from_json(obj)  # one validator for both directions: what we emit, a peer accepts
     return obj
 
 
-def _rollout_to_json(r: Rollout) -> dict[str, Any]:
+def _sample_to_json(s: Sample) -> dict[str, Any]:
     return {
-        "group_id": r.group_id,
-        "prompt_ids": list(r.prompt_ids),
-        "completion_ids": list(r.completion_ids),
-        "behaviour_logprobs": list(r.behaviour_logprobs),
-        "reward": r.reward,
-        "finish_reason": r.finish_reason.value if isinstance(r.finish_reason, FinishReason) else r.finish_reason,
-        "version_spans": [{"version": s.version, "start": s.start, "end": s.end} for s in r.version_spans],
-        "version_start": r.version_start,
-        "version_end": r.version_end,
-        "text": r.text,
+        "token_ids": list(s.token_ids),
+        "logprobs": list(s.logprobs),
+        "finish_reason": s.finish_reason.value if isinstance(s.finish_reason, FinishReason) else s.finish_reason,
+        "version_spans": [{"version": v.version, "start": v.start, "end": v.end} for v in s.version_spans],
+        "text": s.text,
     }
 
 
@@ -98,14 +97,13 @@ def group_from_json(obj: Any) -> RolloutGroup:
     return RolloutGroup(
         group_id=group_id,
         prompt=_prompt(d["prompt"], "prompt"),
-        rollouts=tuple(_rollout(r, f"rollouts[{i}]", group_id) for i, r in enumerate(rollouts)),
-        created_at=_finite(d["created_at"], "created_at"),
+        rollouts=tuple(_rollout(r, f"rollouts[{i}]") for i, r in enumerate(rollouts)),
         meta=_json_object(d["meta"], "meta"),
     )
 
 
 def _check_version(obj: Any) -> None:
-    # Checked before the key set, so a newer peer gets "unsupported version", not "unknown field".
+    # Checked before the key set, so a peer of another version gets "unsupported version", not "unknown field".
     if not isinstance(obj, dict):
         raise WireError("", f"a group must be a JSON object, got {_kind(obj)}")
     if "v" not in obj:
@@ -124,41 +122,38 @@ def _prompt(obj: Any, path: str) -> Prompt:
     )
 
 
-def _rollout(obj: Any, path: str, group_id: str) -> Rollout:
+def _rollout(obj: Any, path: str) -> Rollout:
     d = _fields(obj, path, _ROLLOUT_KEYS)
-    if _str(d["group_id"], f"{path}.group_id") != group_id:
-        raise WireError(f"{path}.group_id", f"{d['group_id']!r} != the group's id {group_id!r}")
-    completion = _token_ids(d["completion_ids"], f"{path}.completion_ids")
-    logprobs = _floats(d["behaviour_logprobs"], f"{path}.behaviour_logprobs")
-    if len(logprobs) != len(completion):
-        raise WireError(f"{path}.behaviour_logprobs",
-                        f"length {len(logprobs)} != completion_ids length {len(completion)}")
-    spans = _spans(d["version_spans"], f"{path}.version_spans", len(completion))
-    version_start = _version(d["version_start"], f"{path}.version_start")
-    version_end = _version(d["version_end"], f"{path}.version_end")
-    _check_span_ends(spans, version_start, version_end, path)
-    return Rollout(
-        group_id=group_id,
-        prompt_ids=_token_ids(d["prompt_ids"], f"{path}.prompt_ids"),
-        completion_ids=completion,
-        behaviour_logprobs=logprobs,
-        reward=_finite(d["reward"], f"{path}.reward"),
+    return Rollout(sample=_sample(d["sample"], f"{path}.sample"), reward=_finite(d["reward"], f"{path}.reward"))
+
+
+def _sample(obj: Any, path: str) -> Sample:
+    d = _fields(obj, path, _SAMPLE_KEYS)
+    tokens = _token_ids(d["token_ids"], f"{path}.token_ids")
+    logprobs = _floats(d["logprobs"], f"{path}.logprobs")
+    if len(logprobs) != len(tokens):
+        raise WireError(f"{path}.logprobs", f"length {len(logprobs)} != token_ids length {len(tokens)}")
+    return Sample(
+        token_ids=tokens,
+        logprobs=logprobs,
         finish_reason=_finish_reason(d["finish_reason"], f"{path}.finish_reason"),
-        version_spans=spans,
-        version_start=version_start,
-        version_end=version_end,
+        version_spans=_spans(d["version_spans"], f"{path}.version_spans", len(tokens)),
         text=_str(d["text"], f"{path}.text"),
     )
 
 
 def _spans(obj: Any, path: str, num_tokens: int) -> tuple[VersionSpan, ...]:
     """Spans must tile ``[0, num_tokens)`` in order, each non-empty, versions never going back. An empty
-    completion may carry one empty span ``[v, 0, 0]``: the producer records the version it was sampled under."""
+    completion carries exactly one empty span ``[v, 0, 0]``: the version it was requested under."""
     items = _list(obj, path)
-    if num_tokens == 0 and len(items) == 1:
+    if num_tokens == 0:
+        if len(items) != 1:
+            raise WireError(path, f"an empty completion carries exactly one empty span, got {len(items)} spans")
         d = _fields(items[0], f"{path}[0]", _SPAN_KEYS)
-        if d["start"] == 0 and d["end"] == 0 and type(d["start"]) is int and type(d["end"]) is int:
-            return (VersionSpan(_version(d["version"], f"{path}[0].version"), 0, 0),)
+        for key in ("start", "end"):
+            if _int(d[key], f"{path}[0].{key}") != 0:
+                raise WireError(f"{path}[0].{key}", "must be 0 in the empty span of an empty completion")
+        return (VersionSpan(_version(d["version"], f"{path}[0].version"), 0, 0),)
     spans: list[VersionSpan] = []
     for i, item in enumerate(items):
         p = f"{path}[{i}]"
@@ -175,17 +170,8 @@ def _spans(obj: Any, path: str, num_tokens: int) -> tuple[VersionSpan, ...]:
         spans.append(span)
     covered = spans[-1].end if spans else 0
     if covered != num_tokens:
-        raise WireError(path, f"cover {covered} tokens but completion_ids has {num_tokens}")
+        raise WireError(path, f"cover {covered} tokens but token_ids has {num_tokens}")
     return tuple(spans)
-
-
-def _check_span_ends(spans: tuple[VersionSpan, ...], start: int, end: int, path: str) -> None:
-    if start > end:
-        raise WireError(f"{path}.version_start", f"{start} > version_end {end}")
-    if spans and start != spans[0].version:
-        raise WireError(f"{path}.version_start", f"{start} != first span's version {spans[0].version}")
-    if spans and end != spans[-1].version:
-        raise WireError(f"{path}.version_end", f"{end} != last span's version {spans[-1].version}")
 
 
 # ---------------------------------------------------------------- field checks
