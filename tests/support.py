@@ -50,3 +50,24 @@ TEST_WORKER_EXTENSION = "tests.vllm_worker_ext.TestWorkerExtension"
 # What the tests' vLLM servers run with (tiny float32 models, no CUDA-graph capture); the launcher itself
 # adds nothing but what asyncrl needs.
 SERVER_TEST_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "128")
+
+
+class CpuBurners:
+    """``count`` processes spinning a core each, as a busy CI machine has beside the tests."""
+
+    def __init__(self, count: int = 2) -> None:
+        self.count = count
+        self.procs: list = []
+
+    def __enter__(self) -> "CpuBurners":
+        import subprocess
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()

@@ -337,3 +337,29 @@ async def test_overlapped_publication_keeps_staleness_within_bounds():
     assert seen and all(0 <= s <= 1 for s in seen), seen
     assert min(pipe.receiver.statistics().staleness) >= 0
     assert stats.version == engine.version == 12 and stats.unaccounted == 0
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_runs_and_cancellation_under_asyncio_and_uvloop(use_uvloop):
+    import asyncrl
+
+    async def main():
+        pipe = make_pipeline(FakeEngine(token_delay_s=0.001), prompts(1000), config(), reward=slow_enough)
+        result = await pipe.run(steps=5)
+        cut = make_pipeline(FakeEngine(token_delay_s=0.001), prompts(10_000), config(), reward=slow_enough)
+        task = asyncio.create_task(cut.run(steps=10_000))
+        await asyncio.wait_for(_until_trained(cut, 2), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return type(asyncio.get_running_loop()).__module__, result, cut
+
+    loop_module, result, cut = asyncrl.run(main(), use_uvloop=use_uvloop)
+    assert loop_module.startswith("uvloop") == use_uvloop
+    assert result.steps == 5 and result.unaccounted == 0
+    assert cut.receiver.closed and cut.engine.closed and cut.result.unaccounted == 0
+
+
+def slow_enough(prompt, sample) -> float:
+    """A synchronous reward: scored in a worker thread, so the run crosses threads under either loop."""
+    return 1.0

@@ -106,7 +106,7 @@ async def test_backpressure_with_a_slow_learner(vllm_engine, tiny_model_dir, tok
 def _assert_no_children(before: set[int], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     leftover = child_pids() - before
-    while leftover and time.monotonic() < deadline:
+    while leftover and time.monotonic() <= deadline:
         psutil.wait_procs([psutil.Process(p) for p in leftover if psutil.pid_exists(p)], timeout=0.5)
         leftover = child_pids() - before
     assert not leftover, f"processes left behind: {_describe(leftover)}"
@@ -159,8 +159,10 @@ async def test_cancellation_mid_run_stops_every_task_and_process(tiny_model_dir,
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
-    _assert_no_children(before)
-    assert time.monotonic() - t0 < 10, "shutdown within 10 s"
+    shutdown_s = time.monotonic() - t0
+    _assert_no_children(before, timeout_s=0.0)  # gone when run() returned, not later
+    print(f"cancelled run returned after {shutdown_s:.2f}s, engine processes included")
+    assert shutdown_s < 3.0, "shutdown (the engine's ~1 s included) within 3 s"
     assert pipe.result.unaccounted == 0
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
     assert not [t for t in tasks if "producer" in t.get_name() or "learner" in t.get_name()]

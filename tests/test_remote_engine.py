@@ -27,7 +27,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.tasks import arithmetic
 from asyncrl.tiny import TinyModelSpec, build_tiny
 from asyncrl.types import FinishReason, PauseMode, Sample
-from tests.support import SERVER_TEST_ARGS, apply_update
+from tests.support import SERVER_TEST_ARGS, CpuBurners, apply_update
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -160,6 +160,12 @@ def _check_sample(s: Sample) -> None:
     if s.token_ids:  # spans cover every token, in order
         assert s.version_spans[0].start == 0 and s.version_spans[-1].end == len(s.token_ids)
         assert all(a.end == b.start for a, b in zip(s.version_spans, s.version_spans[1:]))
+
+
+def _staging_dirs() -> set[str]:
+    from asyncrl.engines.weights import STAGING_PREFIX, staging_root
+
+    return {p.name for p in staging_root().iterdir() if p.name.startswith(STAGING_PREFIX)}
 
 
 SEQS = [[1, 5, 17, 33, 9, 60, 61, 4, 21, 88, 3, 44], [1, 70, 2, 71, 15, 15, 15, 90, 6, 7, 8, 9]]
@@ -398,12 +404,17 @@ async def test_pool_spreads_requests_and_updates_every_member(
         assert all(m.metrics()["engine/requests"] >= 4 for m in members)  # both served requests
 
         learner = _perturbed(hf_model, seed=2)
+        before = _staging_dirs()
+        prepared = await pool.prepare(WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
+        assert len(_staging_dirs() - before) == 1, "N servers on one host share one staged copy"
         await pool.pause(PauseMode.KEEP, clear_cache=True)
         try:
-            await apply_update(pool, WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
+            await pool.load(prepared)
         finally:
             await pool.resume()
+            pool.release(prepared)
         assert pool.version == 7 and all(m.version == 7 for m in members)
+        assert len(_staging_dirs() - before) == 1, "both hold the one copy as their good weights"
         want = _hf_logprobs(learner, SEQS[1])
         for m in members:
             assert _max_diff(await m.prompt_logprobs(SEQS[1]), want) < TOL
@@ -481,3 +492,21 @@ async def test_nccl_transport_publishes_weights(model_dir: Path, hf_model: torch
                 assert {v.version for v in s.version_spans} == {version}
         finally:
             await engine.close()
+
+
+@aio
+async def test_health_probes_hold_beside_cpu_burning_neighbours(engine: RemoteVLLMEngine) -> None:
+    """Streams silent through a held pause are probed every second; with both cores busy a /health answer can
+    be slow, which must not declare the server dead (it did, one slow answer at a time, on a loaded CI)."""
+    with CpuBurners(2):
+        for _ in range(5):
+            await engine.check_alive()
+        task = asyncio.create_task(engine.generate(PROMPT, LONG, request_id="burn"))
+        if await _until_flowing(engine, task, requests=2):
+            await engine.pause(PauseMode.KEEP, clear_cache=False)
+            try:
+                await asyncio.sleep(3.0)  # hold the pause: the silent streams are probed meanwhile
+            finally:
+                await engine.resume()
+        samples = await asyncio.wait_for(task, 120)
+    assert len(samples) == LONG.n and all(s.finish_reason is not FinishReason.ABORT for s in samples)
