@@ -1,7 +1,7 @@
 """Asynchronous pipeline vs the synchronous baseline: trained samples per second, and the overlap bound.
 
-    python bench/async_vs_sync.py           # 2 x (sync, async) runs of 24 steps
-    python bench/async_vs_sync.py --quick   # 1 x (sync, async) of 14 steps
+    python -m bench.async_vs_sync           # 2 x (sync, async) runs of 24 steps
+    python -m bench.async_vs_sync --quick   # 1 x (sync, async) of 14 steps
 
 Same engine, model, task (addition prompts, exact-match reward), learner (GRPO, AdamW) and batch
 (``--batch-groups`` groups of ``--n`` completions of ``--max-tokens`` tokens, ``ignore_eos`` so lengths are
@@ -15,7 +15,7 @@ fixed), both modes in the same process, alternating:
 Both train on every group (``skip_inert_groups=False``): the random model earns almost no reward, and
 skipping groups with equal rewards would remove the training phase being overlapped.
 
-From the sync run's phase times, T_gen = ``stats.gen_s`` and T_train = ``stats.train_s + stats.sync_s``,
+From the sync run's phase times (its ``RunResult``), T_gen = ``gen_s`` and T_train = ``train_s + sync_s``,
 the ideal overlap bound is ``ideal = (T_gen + T_train) / max(T_gen, T_train)``. ``speedup`` is the async
 over the sync trained samples/s in steady state (steps after ``--warm-steps``, so start-up and the
 pipeline's fill are left out; whole-run figures are reported too); ``ratio_to_ideal = speedup / ideal``,
@@ -32,7 +32,7 @@ On a 2-core CPU vLLM's worker is bound to core 0 and the learner shares core 1 w
 the event loop; ``--torch-threads 1`` (default) keeps the learner's matmuls off the engine's core (with 2
 threads each backward would steal core 0 from generation, slowing both), and the learner's thread runs at
 nice 19 (``--learner-nice``) so vLLM's processes and the event loop preempt it. Even so, overlapped phases
-run below their solo speed here (``bench/contention.py``), which the ideal does not allow for. Other load on
+run below their solo speed here (``python -m bench.contention``), which the ideal does not allow for. Other load on
 the machine shifts every figure; the load average is in the result file.
 """
 
@@ -46,16 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common
 
 log = logging.getLogger("bench.async_vs_sync")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="one pair of shorter runs")
     p.add_argument("--steps", type=int, help="learner steps per run (default 24, quick 14)")
     p.add_argument("--warm-steps", type=int, default=3, help="first steps left out of the steady-state rate")
@@ -70,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1, help="learner threads (CPU)")
     p.add_argument("--learner-nice", type=int, default=-1,
                    help="LearnerConfig.nice, both modes; -1 = 19 on CPU (generation keeps its pace beside "
-                        "training, bench/contention.py), 0 on GPU")
+                        "training, python -m bench.contention), 0 on GPU")
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_flags(p, max_num_seqs=16)
     args = p.parse_args(argv)
@@ -111,24 +108,24 @@ async def one_run(engine: Any, model_dir: Path, tok: Any, args: argparse.Namespa
     pipeline = grpo_pipeline(
         engine, model, common.arithmetic_prompts(tok, seed), lambda p, s: arithmetic.reward(s.text, p.answer),
         pipeline_config(args, synchronous), loss_config=LossConfig(), pad_id=tok.pad_token_id,
-        version=engine.version, close_engine=False)
+        close_engine=False)
     marks: list[float] = []
     pipeline.learner.hooks.append(lambda step, metrics: marks.append(time.perf_counter()))
     cpu0 = cpu_snapshot()
     t0 = time.perf_counter()
-    stats = await (pipeline.run_synchronous if synchronous else pipeline.run)(args.steps)
+    result = await (pipeline.run_synchronous if synchronous else pipeline.run)(args.steps)
     cpu = cpu_usage(cpu0, cpu_snapshot(), time.perf_counter() - t0)
     per_step = args.batch_groups * args.n
     k = args.warm_steps
     steady = (len(marks) - k) * per_step / (marks[-1] - marks[k - 1]) if len(marks) > k else float("nan")
-    staleness = pipeline.queue.stats.staleness_trained
+    queue = pipeline.receiver.statistics()  # staleness of the groups handed to the learner
     return {
-        "mode": "sync" if synchronous else "async", "steps": stats.steps, "wall_s": time.perf_counter() - t0,
-        "samples_trained": stats.samples_trained, "samples_per_s": stats.samples_per_s,
-        "samples_per_s_steady": steady, "gen_s": stats.gen_s, "train_s": stats.train_s, "sync_s": stats.sync_s,
-        "tokens_generated": stats.tokens_generated, "dropped": stats.dropped, "unaccounted": stats.unaccounted,
-        "mean_staleness": sum(s * c for s, c in staleness.items()) / max(1, sum(staleness.values())),
-        "learner_wait_s": pipeline.queue.stats.get_wait_s, "producer_put_wait_s": pipeline.queue.stats.put_wait_s,
+        "mode": "sync" if synchronous else "async", "steps": result.steps, "wall_s": time.perf_counter() - t0,
+        "samples_trained": result.samples_trained, "samples_per_s": result.samples_per_s,
+        "samples_per_s_steady": steady, "gen_s": result.gen_s, "train_s": result.train_s, "sync_s": result.sync_s,
+        "tokens_generated": result.tokens_generated, "dropped": result.dropped, "unaccounted": result.unaccounted,
+        "mean_staleness": common.staleness_mean(queue.staleness),
+        "learner_wait_s": queue.receive_wait_s, "producer_put_wait_s": queue.send_wait_s,
         "cpu": cpu,
     }
 
@@ -166,7 +163,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> list[dict[str, Any]]
     from asyncrl.engines.vllm_local import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 64 * -(-(args.max_tokens + 16) // 64),
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, common.context_len(args.max_tokens + 16),
                                                          args.seed))
     runs = []
     try:

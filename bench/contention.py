@@ -1,7 +1,7 @@
 """How much colocated training slows vLLM's generation on this machine, and the learner beside it.
 
-    python bench/contention.py            # 3 rounds
-    python bench/contention.py --quick    # 1 round
+    python -m bench.contention            # 3 rounds
+    python -m bench.contention --quick    # 1 round
 
 Explains ``async_vs_sync``'s gap to its ideal on a small CPU: the ideal assumes generation and training each run
 at their solo speed when they overlap. Same engine and model as ``async_vs_sync`` (hidden 256, 4 layers,
@@ -34,9 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common
 
 SETTINGS = ("learner_thread", "learner_thread_nice19", "memory_stream")
 STREAM_CODE = """
@@ -52,8 +50,7 @@ while True:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="one round")
     p.add_argument("--rounds", type=int, help="rounds of every setting (default 3, quick 1)")
     p.add_argument("--groups", type=int, default=24, help="groups of 8 x 64 tokens per measurement")

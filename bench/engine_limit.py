@@ -1,16 +1,17 @@
 """How close does the full pipeline get to the engine's own generation speed?
 
-    python bench/engine_limit.py            # 4 measured phases of 32 groups (8 x 128 tokens each)
-    python bench/engine_limit.py --quick    # 4 phases of 16 groups
+    python -m bench.engine_limit            # 4 measured phases of 32 groups (8 x 128 tokens each)
+    python -m bench.engine_limit --quick    # 4 phases of 16 groups
 
 Same engine, same run, identical requests. Phases alternate (raw, pipe, raw, pipe, ...) after a warm-up:
 
 - raw: ``--max-inflight`` workers each take a prompt and send its ``n`` requests straight to
   ``engine.llm.generate`` (the AsyncLLM), with the SamplingParams the engine would build
   (n=1 per request, logprobs=0, ``ignore_eos=True`` so every completion has exactly ``--max-tokens`` tokens);
-- pipe: producers -> RolloutQueue -> Learner over the same prompts, same ``n``, ``max_tokens`` and number of
+- pipe: producers -> rollout queue -> Learner over the same prompts, same ``n``, ``max_tokens`` and number of
   groups in flight. The learner consumes every batch with a no-op loss (a zero loss with a gradient on a
-  dummy parameter) and never publishes (``SyncConfig(every=10**9)``), so the engine is never paused.
+  dummy parameter) and never publishes (``SyncConfig(every=10**9)``), so the engine is never paused. The
+  producers run with the library's defaults: the (constant) reward is scored in a worker thread.
 
 ``ratio`` = pipeline tokens/s over raw tokens/s, summed over phases (= sum of raw times / sum of pipe times,
 since the token counts are equal). Target >= 0.97. The model (hidden 512, 4 layers by default) is big enough
@@ -28,16 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common
 
 log = logging.getLogger("bench.engine_limit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="16 groups per phase instead of 32")
     p.add_argument("--groups", type=int, help="groups (prompts) per phase (default 32, quick 16)")
     p.add_argument("--pairs", type=int, default=2, help="(raw, pipe) pairs measured")
@@ -105,6 +103,8 @@ async def raw_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) -
 class NoOpLoss:
     """A zero loss with a gradient on the model's (dummy) parameter: the learner consumes, nothing trains."""
 
+    min_group_size = 1  # any group will do: nothing is learned from it anyway
+
     def compute(self, model: Any, groups: Any) -> Any:
         from asyncrl.algorithms.losses import LossOutput
 
@@ -113,7 +113,7 @@ class NoOpLoss:
 
 
 async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) -> tuple[int, float, dict]:
-    """Run the whole pipeline over ``prompts``. Returns (tokens, seconds, run stats)."""
+    """Run the whole pipeline over ``prompts``. Returns (tokens, seconds, queue figures)."""
     import torch
 
     import asyncrl
@@ -129,15 +129,16 @@ async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) 
     )
     dummy = torch.nn.Linear(1, 1, bias=False)
     pipeline = grpo_pipeline(engine, dummy, prompts, lambda prompt, sample: 0.0, config, loss=NoOpLoss(),
-                             version=engine.version, close_engine=False)
+                             close_engine=False)
     t0 = time.perf_counter()
-    stats = await pipeline.run(len(prompts) // b)
+    result = await pipeline.run(len(prompts) // b)
     seconds = time.perf_counter() - t0
-    if stats.groups_trained != len(prompts) or stats.unaccounted:
-        raise RuntimeError(f"pipeline trained {stats.groups_trained} of {len(prompts)} groups "
-                           f"(unaccounted {stats.unaccounted}, dropped {stats.dropped})")
-    return stats.tokens_generated, seconds, {"steps": stats.steps, "queue_max_depth": pipeline.queue.stats.max_depth,
-                                             "learner_wait_s": pipeline.queue.stats.get_wait_s}
+    if result.groups_trained != len(prompts) or result.unaccounted:
+        raise RuntimeError(f"pipeline trained {result.groups_trained} of {len(prompts)} groups "
+                           f"(unaccounted {result.unaccounted}, dropped {result.dropped})")
+    queue = pipeline.receiver.statistics()
+    return result.tokens_generated, seconds, {"steps": result.steps, "queue_max_depth": queue.max_depth,
+                                              "learner_wait_s": queue.receive_wait_s}
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -154,7 +155,7 @@ async def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     prompts = list(common.arithmetic_prompts(tok, args.seed, limit=args.groups * (2 * args.pairs + 2)))
     chunks = [prompts[i: i + args.groups] for i in range(0, len(prompts), args.groups)]
     longest = max(len(p.token_ids) for p in prompts)
-    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 64 * -(-(longest + args.max_tokens) // 64),
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, common.context_len(longest + args.max_tokens),
                                                          args.seed))
     phases: list[dict[str, Any]] = []
     try:

@@ -1,7 +1,7 @@
 """Does off-policy GRPO still learn? Synchronous vs asynchronous training at the same sample budget.
 
-    python bench/learning.py            # full: 7 settings (~15-20 min on a quiet 2-core CPU)
-    python bench/learning.py --quick    # small version (~6 min)
+    python -m bench.learning            # full: 7 settings (~15-20 min on a quiet 2-core CPU)
+    python -m bench.learning --quick    # small version (~6 min)
 
 Every setting starts from the same warm-started checkpoint (a tiny character-level Qwen2 model taught
 addition by supervised teacher forcing until its held-out greedy accuracy reaches ``--warm-target``) and
@@ -12,35 +12,30 @@ trains on the same prompt order for the same number of samples (steps x groups x
   weights (``is_level="token"``); ``async_s{k}_no_is``: the same without the correction (``"none"``).
 
 One vLLM engine serves every setting: before each one, the base weights are published into it (pause ->
-reload -> resume, a new version) and a fresh learner (new model copy and optimiser) starts at that version.
+reload -> resume, a new version, through a ``WeightSync``) and a fresh learner (new model copy and optimiser)
+starts at that version (the pipeline's version clock starts at the engine's).
 This saves ~20 s of engine start-up per setting and keeps the engine identical across settings.
 
 Held-out greedy accuracy is measured every ``--eval-every`` steps on the engine (the learner waits; the
-time is excluded from the reported wall times). Writes ``bench/results/learning_cpu.json`` and
-``bench/results/learning_cpu.png`` (accuracy vs training wall time per setting) and prints a table.
+time is excluded from the reported wall times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
+``_quick`` added with ``--quick``) with the common header (``bench/common.py``) and the same name with
+``.png`` (accuracy vs training wall time per setting) into ``--out`` (default ``bench/results/``), and
+prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
 import os
-import platform
-import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import common
+from examples import common as ex
 
-from examples import common  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
 log = logging.getLogger("bench.learning")
 
 
@@ -68,8 +63,7 @@ SETTINGS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps and a smaller held-out set")
     p.add_argument("--steps", type=int, help="learner steps per setting (default 250, quick 80)")
     p.add_argument("--n", type=int, default=8, help="group size")
@@ -81,7 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-target", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", choices=[s.name for s in SETTINGS], help="run just these settings")
-    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.steps = args.steps or (80 if args.quick else 250)
@@ -93,21 +86,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ base model
 
 
-def base_checkpoint(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
+def base_checkpoint(args: argparse.Namespace, task: ex.Task) -> tuple[Path, dict[str, Any]]:
     """The warm-started model every setting starts from, cached by its recipe in ``.cache/bench``."""
     recipe = {"hidden": 128, "layers": 2, "seed": args.seed, "target": args.warm_target, "task": task.name,
               "train": len(task.train), "version": 1}
-    out = ROOT / ".cache" / "bench" / "learning-base"
-    marker = out / "warm_start.json"
-    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
-        return out, json.loads(marker.read_text())["result"]
-    shutil.rmtree(out, ignore_errors=True)
-    common.build_char_model(out, task, recipe["hidden"], recipe["layers"], args.seed)
-    result = common.warm_start(out, task, common.WarmStart(target=args.warm_target, seed=args.seed),
+
+    def build(out: Path) -> dict[str, Any]:
+        ex.build_char_model(out, task, recipe["hidden"], recipe["layers"], args.seed)
+        result = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=args.seed),
                                progress=not args.no_progress)
-    info = {"steps": result.steps, "accuracy_hf": result.accuracy, "seconds": result.seconds}
-    marker.write_text(json.dumps({"recipe": recipe, "result": info}))
-    return out, info
+        return {"steps": result.steps, "accuracy_hf": result.accuracy, "seconds": result.seconds}
+
+    return common.cached_build(common.CACHE / "learning-base", recipe, build, marker="warm_start.json", key="result")
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -120,55 +110,55 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
     return asyncrl.PipelineConfig(
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b),
-        queue=asyncrl.QueueConfig(capacity=common.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness),
+        queue=asyncrl.QueueConfig(capacity=ex.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness),
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
                                       sync=asyncrl.SyncConfig(mode="keep")),
     )
 
 
-async def run_setting(engine: Any, base: Path, tok: Any, task: common.Task, args: argparse.Namespace,
+async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: argparse.Namespace,
                       s: Setting, before: float) -> dict[str, Any]:
     """Reset the engine to the base weights, train ``args.steps`` steps, measure held-out accuracy."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl import SyncConfig, WeightSync
+    from asyncrl import SyncConfig, VersionClock, WeightSync
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.engines.weights import state_dict_for_engine
     from asyncrl.recipes import grpo_pipeline
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    version = engine.version + 1
-    await WeightSync(engine, SyncConfig()).publish(state_dict_for_engine(model), version)
+    # The base weights as the engine's next version; the new pipeline's clock starts there.
+    await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
     torch.manual_seed(args.seed)
-    pipeline = grpo_pipeline(engine, model, common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
+    pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, args.seed), ex.prompt_reward(task),
                              pipeline_config(args, s), loss_config=LossConfig(is_level=s.is_level),
-                             pad_id=tok.pad_token_id, version=version, close_engine=False)
-    evals = common.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
-    progress = common.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
+                             pad_id=tok.pad_token_id, close_engine=False)
+    evals = ex.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+    progress = ex.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
     pipeline.learner.hooks += [evals, progress]
     load_before = os.getloadavg()[0]
     try:
-        stats = await (pipeline.run_synchronous if s.synchronous else pipeline.run)(args.steps)
+        run = await (pipeline.run_synchronous if s.synchronous else pipeline.run)(args.steps)
     finally:
         progress.close()
     final = evals.points[-1][1] if evals.points and evals.points[-1][0] == args.steps \
         else await evals.evaluate(args.steps)
-    queue = pipeline.queue.metrics()
+    queue = pipeline.receiver.metrics()
     return {
-        "final_accuracy": final, "wall_s": stats.wall_s - evals.seconds, "mean_staleness":
-        queue["rollout/staleness_mean"], "samples_trained": stats.samples_trained, "steps": stats.steps,
+        "final_accuracy": final, "wall_s": run.wall_s - evals.seconds, "mean_staleness":
+        queue["rollout/staleness_mean"], "samples_trained": run.samples_trained, "steps": run.steps,
         "synchronous": s.synchronous, "max_staleness": s.max_staleness, "is_level": s.is_level,
-        "wall_s_with_eval": stats.wall_s, "eval_s": evals.seconds, "train_s": stats.train_s,
-        "sync_s": stats.sync_s, "gen_s": stats.gen_s, "samples_per_s": stats.samples_trained /
-        max(1e-9, stats.wall_s - evals.seconds), "dropped": stats.dropped, "unaccounted": stats.unaccounted,
+        "wall_s_with_eval": run.wall_s, "eval_s": evals.seconds, "train_s": run.train_s,
+        "sync_s": run.sync_s, "gen_s": run.gen_s, "samples_per_s": run.samples_trained /
+        max(1e-9, run.wall_s - evals.seconds), "dropped": run.dropped, "unaccounted": run.unaccounted,
         "loadavg_1min": [load_before, os.getloadavg()[0]],  # before and after: other jobs skew wall times
         "curve": [{"step": 0, "accuracy": before, "wall_s": 0.0}]
         + [{"step": st, "accuracy": a, "wall_s": c} for st, a, c in evals.points],
     }
 
 
-async def run_all(args: argparse.Namespace, task: common.Task, base: Path) -> dict[str, Any]:
+async def run_all(args: argparse.Namespace, task: ex.Task, base: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
@@ -178,9 +168,9 @@ async def run_all(args: argparse.Namespace, task: common.Task, base: Path) -> di
     engine = await VLLMEngine.start(cfg)
     results: dict[str, Any] = {}
     try:
-        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt),
-                             pipeline_config(args, SETTINGS[0]).producer.sampling, args.batch_groups)
-        before = await common.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens)
+        await ex.warm_up(engine, ex.encode_prompt(tok, task.train[0].prompt),
+                         pipeline_config(args, SETTINGS[0]).producer.sampling, args.batch_groups)
+        before = await ex.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens)
         print(f"base checkpoint: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
         results["base_accuracy"] = before
         for s in SETTINGS:
@@ -191,31 +181,11 @@ async def run_all(args: argparse.Namespace, task: common.Task, base: Path) -> di
             print(f"{s.name:>15}: accuracy {r['final_accuracy']:.1%}  wall {r['wall_s']:.0f}s  "
                   f"staleness {r['mean_staleness']:.2f}  dropped {r['dropped']}", flush=True)
     finally:
-        await common.close_engine(engine)
+        await engine.close()
     return results
 
 
 # ---------------------------------------------------------------------------------------------- report
-
-
-def environment(argv: list[str] | None) -> dict[str, Any]:
-    import torch
-    import transformers
-    import vllm
-
-    import asyncrl
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/learning.py", *(sys.argv[1:] if argv is None else argv)]),
-        "hardware": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem, 1),
-                     "loadavg_at_start": os.getloadavg()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
-                     "transformers": transformers.__version__, "asyncrl": asyncrl.__version__},
-    }
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
@@ -280,7 +250,7 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    common.set_env_defaults()
+    common.set_env()
     logging.basicConfig(level=logging.WARNING)
     import torch
     import transformers
@@ -289,30 +259,26 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
-    env = environment(argv)
-    t0 = time.perf_counter()
-    task = common.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
+    result = common.Result("learning", args, argv)
+    task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
     base, warm = base_checkpoint(args, task)
     results = asyncrl.run(run_all(args, task, base))
     verdict = verdicts(results)
     budget = args.steps * args.batch_groups * args.n
-    doc = {**env, "quick": args.quick, "total_s": time.perf_counter() - t0,
-           "config": {"steps": args.steps, "n": args.n, "batch_groups": args.batch_groups, "lr": args.lr,
-                      "max_tokens": args.max_tokens, "held_out": args.held_out, "eval_every": args.eval_every,
-                      "sample_budget": budget, "pause_mode": "keep", "engine": "one VLLMEngine reused; base "
-                      "weights republished before each setting", "settings": [asdict(s) for s in SETTINGS]},
-           "warm_start": warm, **results, "verdict": verdict}
-    doc["hardware"]["loadavg_at_end"] = os.getloadavg()
-    args.out.mkdir(parents=True, exist_ok=True)
+    config = {"steps": args.steps, "n": args.n, "batch_groups": args.batch_groups, "lr": args.lr,
+              "max_tokens": args.max_tokens, "held_out": args.held_out, "eval_every": args.eval_every,
+              "sample_budget": budget, "pause_mode": "keep", "engine": "one VLLMEngine reused; base weights "
+              "republished before each setting", "settings": [asdict(s) for s in SETTINGS]}
     suffix = "_quick" if args.quick else ""
-    (args.out / f"learning_cpu{suffix}.json").write_text(json.dumps(doc, indent=2))
-    plot(results, args.out / f"learning_cpu{suffix}.png",
+    path = result.write({**results, "verdict": verdict}, suffix=suffix, quick=args.quick, config=config,
+                        warm_start=warm)
+    plot(results, result.path(suffix, ".png"),
          f"GRPO on addition, {budget} samples per setting (base {results['base_accuracy']:.0%})")
     print(f"\nsame sample budget: {budget} samples ({args.steps} steps x {args.batch_groups} groups x {args.n})")
     print(table(results, verdict))
     hits = [k for k, v in verdict.items() if v["meets_target"] and not k.endswith("_no_is")]
     print(f"target (async with IS >= 95% of sync accuracy, less wall time): met by {hits or 'none'}")
-    print(f"wrote {args.out / f'learning_cpu{suffix}.json'} and .png in {doc['total_s']:.0f}s")
+    print(f"plot: {path.with_suffix('.png')}")
     return 0
 
 

@@ -1,17 +1,23 @@
-"""Producer -> RolloutQueue -> consumer overhead, with an engine that costs nothing.
+"""Producer -> rollout queue -> consumer overhead, with an engine that costs nothing.
 
-    python bench/queue_micro.py             # 200k rollouts, then a cProfile run of 50k
-    python bench/queue_micro.py --quick     # 50k rollouts, profile of 20k
+    python -m bench.queue_micro             # 200k rollouts, then a cProfile run of 50k
+    python -m bench.queue_micro --quick     # 50k rollouts, profile of 20k
 
 A ``FakeEngine`` (no token delay) answers every request at once with one token (``max_tokens=1``, ``n=1``),
 so what is timed is the library's own per-group path: the prompt source, the producer (in-flight slots,
-the group task, scoring, building ``Sample`` / ``Rollout`` / ``RolloutGroup``), the queue's ``put`` and
-``get_batch`` (the staleness rule, the ledger). A consumer task takes batches and discards them (no torch).
+scoring, building ``Sample`` / ``Rollout`` / ``RolloutGroup``), the queue's ``RolloutSender.send`` and
+``RolloutReceiver.receive_batch`` (the staleness rule, the group counters). A consumer task takes batches
+and discards them (no torch). The reward is a trivial lambda, scored inline on the event loop
+(``ProducerConfig(sync_rewards=RewardExecution.INLINE)``): the library's default runs synchronous rewards in
+worker threads, and a thread hop per group measures the thread pool, not the queue layer.
 
 Reports ``rollouts_per_s`` (wall) and ``rollouts_per_cpu_s`` (process CPU time; less sensitive to other
-load on the machine), and the p99 enqueue-to-dequeue latency ``p99_ms`` (``created_at`` stamped by the queue
-at put, read at get). Target: >= 50,000 rollouts/s on one core (the event loop is single-threaded). Then
-the same loop runs under cProfile and the top functions by own time are printed and saved.
+load on the machine), and the enqueue-to-dequeue latency ``p50_ms`` / ``p99_ms`` / ``max_ms``: each
+producer's end of the queue is wrapped by the benchmark, which records ``time.monotonic()`` per group id as
+soon as ``send`` has stored the group (time spent blocked on a full queue is not counted, as before); the
+consumer reads it back when ``receive_batch`` hands the group out. Target: >= 50,000 rollouts/s on one core
+(the event loop is single-threaded). Then the same loop runs under cProfile and the top functions by own
+time are printed and saved.
 """
 
 from __future__ import annotations
@@ -28,23 +34,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common
 
 TARGET = 50_000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rollouts", type=int, help="rollouts timed (default 200k, quick 50k)")
     p.add_argument("--profile-rollouts", type=int, help="rollouts under cProfile (default 50k, quick 20k; 0 = off)")
     p.add_argument("--producers", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=64, help="groups in flight per producer")
     p.add_argument("--capacity", type=int, default=256, help="queue capacity (groups)")
-    p.add_argument("--batch", type=int, default=32, help="groups per get_batch")
+    p.add_argument("--batch", type=int, default=32, help="groups per receive_batch")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (best and median reported)")
     p.add_argument("--no-uvloop", action="store_true")
     args = p.parse_args(argv)
@@ -61,6 +64,24 @@ def prompts(count: int) -> Any:
         yield Prompt(f"p{i}", (1, 2, 3, 4), "1+2=", "3")
 
 
+class StampedSender:
+    """A producer's end of the queue that records when each group was stored (``time.monotonic()``)."""
+
+    __slots__ = ("inner", "stored_at")
+
+    def __init__(self, inner: Any, stored_at: dict[str, float]) -> None:
+        self.inner, self.stored_at = inner, stored_at
+
+    async def send(self, group: Any) -> bool:
+        stored = await self.inner.send(group)
+        # ``send`` returns in the same event-loop step that queued the group: the consumer has not run since.
+        self.stored_at[group.group_id] = time.monotonic()
+        return stored
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
     """Produce ``count`` groups of one 1-token rollout and consume them all. Returns timings."""
     import asyncrl
@@ -68,28 +89,44 @@ async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
 
     count -= count % args.batch
     engine = FakeEngine(token_delay_s=0.0)
-    queue = asyncrl.RolloutQueue(asyncrl.QueueConfig(capacity=args.capacity, max_staleness=0))
+    sender, receiver = asyncrl.create_rollout_queue(
+        asyncrl.QueueConfig(capacity=args.capacity, max_staleness=0), asyncrl.VersionClock(engine.version))
     source = asyncrl.PromptSource(prompts(count))
     cfg = asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=1, max_tokens=1),
-                                 max_inflight_groups=args.max_inflight)
-    producers = [asyncrl.Producer(engine, source, lambda p, s: 1.0, queue, cfg, ledger=queue.ledger,
-                                  name=f"producer-{i}") for i in range(args.producers)]
+                                 max_inflight_groups=args.max_inflight,
+                                 sync_rewards=asyncrl.RewardExecution.INLINE)
+    stored_at: dict[str, float] = {}
+    with sender:  # each producer holds a clone
+        producers = [asyncrl.Producer(engine, source, lambda p, s: 1.0, StampedSender(sender.clone(), stored_at),
+                                      cfg, group_counters=receiver.counters, name=f"producer-{i}")
+                     for i in range(args.producers)]
     latencies: list[float] = []
+
+    async def produce(producer: Any) -> None:
+        try:
+            await producer.run()
+        finally:
+            producer.sink.close()
 
     async def consume() -> None:
         for _ in range(count // args.batch):
-            batch = await queue.get_batch(args.batch, 0)
+            batch = await receiver.receive_batch(args.batch)
             now = time.monotonic()
-            latencies.extend(now - g.created_at for g in batch)
+            latencies.extend(now - stored_at.pop(g.group_id) for g in batch)
 
     c0, t0 = time.process_time(), time.perf_counter()
     async with asyncio.TaskGroup() as tg:
         for p in producers:
-            tg.create_task(p.run())
+            tg.create_task(produce(p))
         await tg.create_task(consume())
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    receiver.close()
     if len(latencies) != count:
         raise RuntimeError(f"consumed {len(latencies)} of {count}")
+    return timings(count, wall, cpu, latencies)
+
+
+def timings(count: int, wall: float, cpu: float, latencies: list[float]) -> dict[str, Any]:
     latencies.sort()
     return {"rollouts": count, "wall_s": wall, "cpu_s": cpu, "rollouts_per_s": count / wall,
             "rollouts_per_cpu_s": count / cpu if cpu else float("nan"),

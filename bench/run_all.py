@@ -1,11 +1,12 @@
 """Run every benchmark, each in its own subprocess (``make bench``; ``make bench ARGS=--quick``).
 
-    python bench/run_all.py [--quick] [--only NAME ...] [--skip NAME ...]
+    python -m bench.run_all [--quick] [--only NAME ...] [--skip NAME ...] [--out DIR]
 
 Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, contention, vs_trl, learning (when
-``bench/learning.py`` exists). ``--quick`` is passed to each; vs_trl also gets ``--setup-trl`` (it builds TRL's
-venv in ``.cache/trl-venv`` when missing). Each writes ``bench/results/<name>_<device>.json``;
-a benchmark that fails is reported and the others still run. Exit status 1 if any failed.
+``bench/learning.py`` exists). Each runs as ``python -m bench.<name>`` from the repository root. ``--quick`` is
+passed to each; vs_trl also gets ``--setup-trl`` (it builds TRL's venv in ``.cache/trl-venv`` when missing).
+Each writes ``<name>_<device>.json`` into ``--out`` (default ``bench/results/``); a benchmark that fails is
+reported and the others still run. Exit status 1 if any failed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
 ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "contention", "vs_trl", "learning")
 EXTRA = {"vs_trl": ["--setup-trl"]}  # on a fresh machine, vs_trl creates TRL's own venv first
 
@@ -26,16 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="passed to every benchmark")
     p.add_argument("--only", nargs="*", choices=ORDER, help="run just these")
     p.add_argument("--skip", nargs="*", choices=ORDER, default=[], help="leave these out")
+    p.add_argument("--out", type=Path, help="passed to every benchmark: where result files go "
+                                            "(default: each benchmark's, bench/results)")
     args = p.parse_args(argv)
     names = [n for n in ORDER if (BENCH / f"{n}.py").exists() and (not args.only or n in args.only)
              and n not in args.skip]
     failed: list[str] = []
     times: dict[str, float] = {}
     for name in names:
-        cmd = [sys.executable, str(BENCH / f"{name}.py"), *(["--quick"] if args.quick else []), *EXTRA.get(name, [])]
+        cmd = [sys.executable, "-m", f"bench.{name}", *(["--quick"] if args.quick else []),
+               *(["--out", str(args.out)] if args.out else []), *EXTRA.get(name, [])]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=BENCH.parent).returncode
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
         times[name] = time.perf_counter() - t0
         if rc != 0:
             failed.append(name)

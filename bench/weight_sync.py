@@ -1,7 +1,7 @@
 """How long is generation paused per weight sync, against what moving the bytes must cost?
 
-    python bench/weight_sync.py             # models of ~5 MiB, ~250 MiB and ~1 GiB
-    python bench/weight_sync.py --quick     # skips the 1 GiB model
+    python -m bench.weight_sync             # models of ~5 MiB, ~250 MiB and ~1 GiB
+    python -m bench.weight_sync --quick     # skips the 1 GiB model
 
 For each model size (untied Qwen2 shapes whose large vocabulary supplies most of the bytes), one engine is
 started and, while a light background load keeps requests in flight, the learner's weights are published
@@ -31,16 +31,13 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import common  # noqa: E402
+from bench import common
 
 # (name, target MiB, hidden, layers): the vocabulary is solved for to reach the target size in float32.
 SIZES = (("5mib", 5, 128, 2), ("250mib", 250, 512, 4), ("1gib", 1024, 1024, 4))
@@ -48,8 +45,7 @@ GPU_TARGET_S = 0.05  # paused per sync, 0.5B model colocated on the GPU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="skip the 1 GiB model")
     p.add_argument("--sizes", nargs="*", choices=[s[0] for s in SIZES], help="models to run (default: all)")
     p.add_argument("--reps", type=int, default=4, help="publishes (and floor reloads) per model")
@@ -124,81 +120,98 @@ def copy_bound(tensors: dict[str, Any]) -> float:
     return seconds
 
 
+async def publish_reps(args: argparse.Namespace, name: str, engine: Any, tensors: dict[str, Any],
+                       floor_dir: Path) -> tuple[list[Any], list[float]]:
+    """``--reps`` publications through ``WeightSync``, alternating with reload floors. Returns both's times."""
+    from asyncrl import SyncConfig, VersionClock, WeightSync
+
+    sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=args.mode, clear_cache=True))
+    timings, floors = [], []
+    for rep in range(args.reps):
+        # Alternate which goes first: the worker's allocator and page cache warm up over the first
+        # reloads, and that should not always favour the same side.
+        if rep % 2:
+            floors.append(await reload_floor(engine, floor_dir, args.mode))
+        timings.append(await sync.publish(tensors))
+        if not rep % 2:
+            floors.append(await reload_floor(engine, floor_dir, args.mode))
+        t = timings[-1]
+        print(f"  {name} rep {rep}: prepared {t.prepare_s:.3f}s before pausing; "
+              f"paused {t.total_s:.3f}s (pause {t.pause_s:.3f} transfer "
+              f"{t.transfer_s:.3f} resume {t.resume_s:.3f}); reload floor {floors[-1]:.3f}s", flush=True)
+    return timings, floors
+
+
+async def byte_costs(reps: int, tensors: dict[str, Any], payload: dict[str, Any], manifest: Any,
+                     dtype: Any) -> dict[str, list[float]]:
+    """Off the engine's critical path, with generation idle: the cost of the bytes alone."""
+    from asyncrl.engines.weights import stage, validate_update
+
+    costs: dict[str, list[float]] = {"copy": [], "validate": [], "stage": []}
+    for _ in range(reps):
+        costs["copy"].append(await asyncio.to_thread(copy_bound, payload))
+        t0 = time.perf_counter()
+        validate_update(tensors, manifest)
+        costs["validate"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        staged = stage(tensors, dtype)
+        costs["stage"].append(time.perf_counter() - t0)
+        staged.release()  # removes the directory
+    return costs
+
+
 async def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[str, Any]:
-    import torch
     from transformers import AutoTokenizer
 
-    from asyncrl import SyncConfig, WeightSync
-    from asyncrl.engines.vllm_local import VLLMEngine, _dtype_from_name
-    from asyncrl.engines.weights import read_manifest, stage, state_dict_for_engine, torch_dtype, validate_update
+    from asyncrl import SamplingConfig
+    from asyncrl.engines.vllm_local import VLLMEngine
+    from asyncrl.engines.weights import read_manifest, stage, state_dict_for_engine
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = next(common.arithmetic_prompts(tok, args.seed))
     model = common.load_learner(model_dir, "float32")  # on the GPU when there is one: colocated
     tensors = state_dict_for_engine(model)
     manifest = read_manifest(model_dir)
-    dtype = common.engine_dtype(args)
-    dtype = torch_dtype(next(iter(manifest.values())).dtype) if dtype == "auto" else _dtype_from_name(dtype)
+    dtype = common.engine_torch_dtype(args, model_dir)
     payload = {k: v.detach().to(dtype) for k, v in tensors.items()}  # the bytes the engine receives
     nbytes = sum(v.numel() * v.element_size() for v in payload.values())
-    floor_dir = stage(payload, dtype)  # written once: the reload floor reads it again and again
+    floor_weights = stage(payload, dtype)  # written once: the reload floor reads it again and again
     cfg = dataclasses.replace(common.engine_config(args, model_dir, 128, args.seed), weight_transfer=args.transfer)
     engine = await VLLMEngine.start(cfg)
-    sync = WeightSync(engine, SyncConfig(mode=args.mode, clear_cache=True))
-    timings, floors, copies, stages, validates = [], [], [], [], []
     stop = asyncio.Event()
     try:
-        await engine.generate(prompt.token_ids, __import__("asyncrl").SamplingConfig(n=1, max_tokens=8),
-                              request_id="warm")
+        await engine.generate(prompt.token_ids, SamplingConfig(n=1, max_tokens=8), request_id="warm")
         async with asyncio.TaskGroup() as tg:
             bg = tg.create_task(background_load(engine, prompt, args.background, stop))
             await asyncio.sleep(0.5)
-            for rep in range(args.reps):
-                # Alternate which goes first: the worker's allocator and page cache warm up over the first
-                # reloads, and that should not always favour the same side.
-                if rep % 2:
-                    floors.append(await reload_floor(engine, floor_dir, args.mode))
-                timings.append(await sync.publish(tensors, engine.version + 1))
-                if not rep % 2:
-                    floors.append(await reload_floor(engine, floor_dir, args.mode))
-                t = timings[-1]
-                print(f"  {name} rep {rep}: prepared {getattr(t, 'prepare_s', 0.0):.3f}s before pausing; "
-                      f"paused {t.total_s:.3f}s (pause {t.pause_s:.3f} transfer "
-                      f"{t.transfer_s:.3f} resume {t.resume_s:.3f}); reload floor {floors[-1]:.3f}s", flush=True)
+            timings, floors = await publish_reps(args, name, engine, tensors, floor_weights.path)
             stop.set()
-        # Off the engine's critical path, with generation idle: the cost of the bytes alone.
-        for _ in range(args.reps):
-            copies.append(await asyncio.to_thread(copy_bound, payload))
-            t0 = time.perf_counter()
-            validate_update(tensors, manifest)
-            validates.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            staged = stage(tensors, dtype)
-            stages.append(time.perf_counter() - t0)
-            shutil.rmtree(staged, ignore_errors=True)
-        background_groups = bg.result()
+        costs = await byte_costs(args.reps, tensors, payload, manifest, dtype)
     finally:
         stop.set()
         await engine.close()
-        shutil.rmtree(floor_dir, ignore_errors=True)
+        floor_weights.release()
         del model, tensors, payload
         gc.collect()
+    return {"name": name, "mib": nbytes / 2**20, "transfer": "cuda_ipc" if cfg.uses_cuda_ipc() else "files",
+            "learner_device": common.learner_device(), "params": common.param_count(model_dir), "dtype": str(dtype),
+            **summarise(timings, floors, costs), "background_groups_done": bg.result()}
+
+
+def summarise(timings: list[Any], floors: list[float], costs: dict[str, list[float]]) -> dict[str, Any]:
     med = statistics.median
     total = med(t.total_s for t in timings)
     floor = med(floors)
-    gpu = common.on_gpu()
     return {
-        "name": name, "mib": nbytes / 2**20, "transfer": "cuda_ipc" if engine._ipc else "files",
-        "learner_device": common.learner_device(), "params": common.param_count(model_dir), "dtype": str(dtype),
-        "prepare_s": med(getattr(t, "prepare_s", 0.0) for t in timings), "pause_s": med(t.pause_s for t in timings),
+        "prepare_s": med(t.prepare_s for t in timings), "pause_s": med(t.pause_s for t in timings),
         "transfer_s": med(t.transfer_s for t in timings),
         "resume_s": med(t.resume_s for t in timings), "total_paused_s": total,
-        "copy_bound_s": med(copies), "reload_floor_s": floor, "stage_s": med(stages), "validate_s": med(validates),
-        "ratio_to_reload_floor": total / floor, "transfer_ratio_to_reload_floor": med(t.transfer_s for t in timings)
-        / floor, "ratio_to_copy_bound": total / med(copies),
-        "meets_target": total <= GPU_TARGET_S if gpu else total / floor <= 2.0,
-        "background_groups_done": background_groups,
-        "reps": [{"prepare_s": getattr(t, "prepare_s", 0.0), "pause_s": t.pause_s, "transfer_s": t.transfer_s,
+        "copy_bound_s": med(costs["copy"]), "reload_floor_s": floor, "stage_s": med(costs["stage"]),
+        "validate_s": med(costs["validate"]), "ratio_to_reload_floor": total / floor,
+        "transfer_ratio_to_reload_floor": med(t.transfer_s for t in timings) / floor,
+        "ratio_to_copy_bound": total / med(costs["copy"]),
+        "meets_target": total <= GPU_TARGET_S if common.on_gpu() else total / floor <= 2.0,
+        "reps": [{"prepare_s": t.prepare_s, "pause_s": t.pause_s, "transfer_s": t.transfer_s,
                   "resume_s": t.resume_s, "total_s": t.total_s,
                   "reload_floor_s": f} for t, f in zip(timings, floors)],
     }

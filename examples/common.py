@@ -66,14 +66,17 @@ class Task:
     name: str
     train: list[Example]
     held_out: list[Example]
-    reward: RewardFn
+    reward: RewardFn  # what accuracy counts as correct (held-out evaluation)
+    train_reward: RewardFn | None = None  # what RL maximises, when it differs (e.g. partial credit)
 
 
-def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0) -> Task:
-    """``a+b=`` with operands 0..99; exact-match reward (``asyncrl.tasks.arithmetic.reward``)."""
+def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0, reward: str = "exact") -> Task:
+    """``a+b=`` with operands 0..99. Accuracy is exact match (``arithmetic.reward``); RL maximises the same, or
+    with ``reward="digits"`` partial credit per right digit (``arithmetic.digit_reward``)."""
     train, held_out = arithmetic.split(n_train, n_held_out, seed=seed)
     to_ex = lambda ps: [Example(p.prompt, p.answer) for p in ps]  # noqa: E731
-    return Task("arithmetic", to_ex(train), to_ex(held_out), arithmetic.reward)
+    train_reward = {"exact": arithmetic.reward, "digits": arithmetic.digit_reward}[reward]
+    return Task("arithmetic", to_ex(train), to_ex(held_out), arithmetic.reward, train_reward)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -183,8 +186,9 @@ def rl_prompts(task: Task, tokenizer: Any, seed: int) -> Iterator[Any]:
 
 
 def prompt_reward(task: Task) -> Callable[[Any, Any], float]:
-    """The producer's reward function: ``task.reward`` on the sample's text vs the prompt's answer."""
-    return lambda prompt, sample: task.reward(sample.text, prompt.answer)
+    """The producer's reward function: the task's training reward on the sample's text vs the prompt's answer."""
+    reward = task.train_reward or task.reward
+    return lambda prompt, sample: reward(sample.text, prompt.answer)
 
 
 def queue_capacity(batch_groups: int, max_staleness: int) -> int:
@@ -246,6 +250,7 @@ class WarmStart:
     eval_every: int = 25
     eval_size: int = 200  # held-out problems used for the stopping check
     seed: int = 0
+    autocast: str | None = None  # "bfloat16": the SFT forward/backward under bf16 autocast (other numerics)
 
 
 @dataclass(slots=True)
@@ -274,7 +279,8 @@ def warm_start(model_dir: Path, task: Task, cfg: WarmStart, progress: bool = Tru
     t0 = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, desc="warm start", unit="step", disable=not progress, leave=False)
     for step in range(1, cfg.max_steps + 1):
-        loss = _sft_step(model, optimizer, [rng.choice(data) for _ in range(cfg.batch)], tok.pad_token_id)
+        with _precision(cfg.autocast):
+            loss = _sft_step(model, optimizer, [rng.choice(data) for _ in range(cfg.batch)], tok.pad_token_id)
         bar.update(1)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             acc = hf_greedy_accuracy(model, tok, held_out, task.reward)
@@ -286,6 +292,16 @@ def warm_start(model_dir: Path, task: Task, cfg: WarmStart, progress: bool = Tru
     result.steps, result.accuracy, result.seconds = step, result.history[-1][1], time.perf_counter() - t0
     model.save_pretrained(str(model_dir))
     return result
+
+
+def _precision(autocast: str | None) -> Any:
+    import contextlib
+
+    import torch
+
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cpu", dtype=getattr(torch, autocast))
 
 
 def _sft_step(model: Any, optimizer: Any, items: Sequence[tuple[list[int], list[int]]], pad_id: int) -> float:

@@ -46,12 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--out", type=Path, default=Path("runs/grpo_offpolicy"), help="run directory")
     data.add_argument("--held-out", type=int, default=200, help="held-out problems for evaluation")
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--reward", choices=("exact", "digits"), default="exact",
+                      help="addition task: RL reward, exact match or partial credit per right digit "
+                           "(accuracy is always exact match)")
     tiny = p.add_argument_group("tiny model and warm start (without --model)")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (head size 32)")
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--warm-target", type=float, default=0.3, help="stop SFT at this held-out accuracy")
     tiny.add_argument("--warm-max-steps", type=int, default=3000)
     tiny.add_argument("--warm-lr", type=float, default=3e-3)
+    tiny.add_argument("--warm-autocast", choices=("bfloat16",), default=None,
+                      help="run the warm start under bf16 autocast (numerics as on another machine)")
     rl = p.add_argument_group("GRPO")
     rl.add_argument("--steps", type=int, default=500, help="learner steps")
     rl.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
@@ -95,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_task(args: argparse.Namespace) -> common.Task:
     if args.prompts is not None:
         return common.load_prompts_file(args.prompts, n_held_out=args.held_out, seed=args.seed)
-    return common.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
+    return common.arithmetic_task(n_held_out=args.held_out, seed=args.seed, reward=args.reward)
 
 
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
@@ -106,6 +111,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
     shutil.rmtree(base, ignore_errors=True)
     common.build_char_model(base, task, args.hidden, args.layers, args.seed)
     cfg = common.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps, lr=args.warm_lr,
+                           autocast=args.warm_autocast,
                            seed=args.seed)
     result = common.warm_start(base, task, cfg, progress=not args.no_progress)
     print(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, held-out greedy accuracy "

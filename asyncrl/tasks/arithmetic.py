@@ -46,3 +46,16 @@ def corpus(max_operand: int = 99) -> list[str]:
 def reward(completion: str, answer: str) -> float:
     """1.0 when the completion is exactly the answer (surrounding whitespace ignored)."""
     return 1.0 if completion.strip() == answer else 0.0
+
+
+def digit_reward(completion: str, answer: str) -> float:
+    """Exact match earns 1.0; otherwise up to 0.5 for the digits that are right, aligned from the ones place
+    (a longer or shorter number is penalised by its length). A denser signal than exact match alone: a group
+    of near misses still ranks its samples, so fewer groups carry no gradient."""
+    text = completion.strip()
+    if text == answer:
+        return 1.0
+    if not text.isdigit():
+        return 0.0
+    right = sum(a == b for a, b in zip(reversed(text), reversed(answer)))
+    return 0.5 * right / max(len(text), len(answer))

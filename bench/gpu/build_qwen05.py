@@ -1,15 +1,16 @@
-"""Build a Qwen2-0.5B-shaped model with random weights (bf16) and a local tokenizer, in its own process."""
+"""Build a Qwen2-0.5B-shaped model with random weights (bf16) and a local tokenizer, in its own process.
+
+    python -m bench.gpu.build_qwen05 OUT_DIR [--vocab N] [--layers N]      (from the repository root)
+
+The GPU benchmarks use it through ``ASYNCRL_BENCH_MODEL=OUT_DIR`` (see ``bench.common.build_model``).
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from asyncrl.tasks import arithmetic  # noqa: E402
-from asyncrl.tiny import TinyModelSpec, build_tiny  # noqa: E402
+from asyncrl.tasks import arithmetic
+from asyncrl.tiny import TinyModelSpec, build_tiny
 
 QWEN05 = TinyModelSpec(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pieces of TRL 1.16.0 the H200 image lacks (it has torch, transformers, accelerate, pyarrow, pandas, xxhash,
 # but no trl, datasets, dill or multiprocess, and no package registry): pure-Python wheels for its Python 3.12,
-# downloaded here into .cache/gpu-trl (~2 MiB) to travel with a device call (carry [".gpu", ".cache/gpu-trl"]).
+# downloaded here into .cache/gpu-trl (~2 MiB), where bench/gpu/run_h200_trl.sh unpacks them ($TRL_WHEELS).
 # Usage, from the project root:  bash bench/gpu/fetch_trl_wheels.sh
 set -euo pipefail
 mkdir -p .cache/gpu-trl

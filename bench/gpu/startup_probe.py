@@ -1,15 +1,16 @@
-"""Time vLLM engine start-up on a model directory and report where it spends its time (GPU diagnosis)."""
+"""Time vLLM engine start-up on a model directory and report where it spends its time (GPU diagnosis).
+
+    python -m bench.gpu.startup_probe MODEL_DIR [--attn BACKEND] [--compile]      (from the repository root)
+
+For stacks of a slow start, put ``bench/gpu/stackdump`` on ``PYTHONPATH`` with ``STACKDUMP_DIR`` set.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 async def probe(args: argparse.Namespace) -> None:

@@ -1,0 +1,2 @@
+"""GPU-host helpers: ``python -m bench.gpu.build_qwen05``, ``python -m bench.gpu.startup_probe`` and the
+``bench/gpu/run_*.sh`` scripts that run the benchmarks on an H200."""
