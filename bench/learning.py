@@ -1,7 +1,7 @@
 """Does off-policy GRPO still learn? Synchronous vs asynchronous training at the same sample budget.
 
-    python -m bench.learning            # full: 7 settings (~15-20 min on a quiet 2-core CPU)
-    python -m bench.learning --quick    # small version (~6 min)
+    python -m bench.learning            # full: 7 settings x 3 seeds (~40 min on a quiet 2-core CPU)
+    python -m bench.learning --quick    # small version, one seed (~6 min)
 
 Every setting starts from the same warm-started checkpoint (a tiny character-level Qwen2 model taught
 addition by supervised teacher forcing until its held-out greedy accuracy reaches ``--warm-target``) and
@@ -16,8 +16,10 @@ reload -> resume, a new version, through a ``WeightSync``) and a fresh learner (
 starts at that version (the pipeline's version clock starts at the engine's).
 This saves ~20 s of engine start-up per setting and keeps the engine identical across settings.
 
-Held-out greedy accuracy is measured every ``--eval-every`` steps on the engine (the learner waits; the
-time is excluded from the reported wall times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
+Every setting runs once per seed (``--seeds``; each seed its own warm-started model, data order and held-out
+set); verdicts are taken on the mean over seeds, with the spread shown. Held-out greedy accuracy is measured
+every ``--eval-every`` steps on the engine (the learner waits; the time is excluded from the reported wall
+times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
 ``_quick`` added with ``--quick``) with the common header (``bench/common.py``) and the same name with
 ``.png`` (accuracy vs training wall time per setting) into ``--out`` (default ``bench/results/``), and
 prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/common.py``.
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,11 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--held-out", type=int, help="held-out problems (default 400, quick 200)")
     p.add_argument("--eval-every", type=int, help="steps between held-out evaluations (default steps/10)")
     p.add_argument("--warm-target", type=float, default=0.3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", help="one run of every setting per seed (default 0 1 2; "
+                   "quick: 0)")
+    p.add_argument("--reward", choices=("exact", "digits"), default="exact", help="RL reward (see the example)")
     p.add_argument("--only", nargs="*", choices=[s.name for s in SETTINGS], help="run just these settings")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.steps = args.steps or (80 if args.quick else 250)
+    args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     args.held_out = args.held_out or (200 if args.quick else 400)
     args.eval_every = args.eval_every or max(1, args.steps // 10)
     return args
@@ -86,14 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ base model
 
 
-def base_checkpoint(args: argparse.Namespace, task: ex.Task) -> tuple[Path, dict[str, Any]]:
-    """The warm-started model every setting starts from, cached by its recipe in ``.cache/bench``."""
-    recipe = {"hidden": 128, "layers": 2, "seed": args.seed, "target": args.warm_target, "task": task.name,
+def base_checkpoint(args: argparse.Namespace, task: ex.Task, seed: int) -> tuple[Path, dict[str, Any]]:
+    """The warm-started model every setting of ``seed`` starts from, cached by its recipe in ``.cache/bench``."""
+    recipe = {"hidden": 128, "layers": 2, "seed": seed, "target": args.warm_target, "task": task.name,
               "train": len(task.train), "version": 1}
 
     def build(out: Path) -> dict[str, Any]:
-        ex.build_char_model(out, task, recipe["hidden"], recipe["layers"], args.seed)
-        result = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=args.seed),
+        ex.build_char_model(out, task, recipe["hidden"], recipe["layers"], seed)
+        result = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=seed),
                                progress=not args.no_progress)
         return {"steps": result.steps, "accuracy_hf": result.accuracy, "seconds": result.seconds}
 
@@ -117,7 +124,7 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
 
 
 async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: argparse.Namespace,
-                      s: Setting, before: float) -> dict[str, Any]:
+                      s: Setting, before: float, seed: int) -> dict[str, Any]:
     """Reset the engine to the base weights, train ``args.steps`` steps, measure held-out accuracy."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -130,8 +137,8 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     # The base weights as the engine's next version; the new pipeline's clock starts there.
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
-    torch.manual_seed(args.seed)
-    pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, args.seed), ex.prompt_reward(task),
+    torch.manual_seed(seed)
+    pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, seed), ex.prompt_reward(task),
                              pipeline_config(args, s), loss_config=LossConfig(is_level=s.is_level),
                              pad_id=tok.pad_token_id, close_engine=False)
     evals = ex.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
@@ -158,38 +165,69 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
     }
 
 
-async def run_all(args: argparse.Namespace, task: ex.Task, base: Path) -> dict[str, Any]:
+async def run_all(args: argparse.Namespace, bases: dict[int, tuple[ex.Task, Path]]) -> dict[str, Any]:
+    """Every setting for every seed, on one engine (each seed's base weights published before each run)."""
     from transformers import AutoTokenizer
 
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
-    tok = AutoTokenizer.from_pretrained(str(base))
-    cfg = VLLMEngineConfig(model=str(base), dtype="float32", max_model_len=64, max_num_seqs=128, seed=args.seed)
+    first = bases[args.seeds[0]][1]
+    tok = AutoTokenizer.from_pretrained(str(first))
+    cfg = VLLMEngineConfig(model=str(first), dtype="float32", max_model_len=64, max_num_seqs=128,
+                           seed=args.seeds[0])
     engine = await VLLMEngine.start(cfg)
-    results: dict[str, Any] = {}
+    runs: dict[str, dict[int, Any]] = {}
+    befores: dict[int, float] = {}
     try:
-        await ex.warm_up(engine, ex.encode_prompt(tok, task.train[0].prompt),
+        await ex.warm_up(engine, ex.encode_prompt(tok, bases[args.seeds[0]][0].train[0].prompt),
                          pipeline_config(args, SETTINGS[0]).producer.sampling, args.batch_groups)
-        before = await ex.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens)
-        print(f"base checkpoint: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
-        results["base_accuracy"] = before
-        for s in SETTINGS:
-            if args.only and s.name not in args.only:
-                continue
-            results[s.name] = await run_setting(engine, base, tok, task, args, s, before)
-            r = results[s.name]
-            print(f"{s.name:>15}: accuracy {r['final_accuracy']:.1%}  wall {r['wall_s']:.0f}s  "
-                  f"staleness {r['mean_staleness']:.2f}  dropped {r['dropped']}", flush=True)
+        for seed in args.seeds:
+            task, base = bases[seed]
+            befores[seed] = await base_accuracy(engine, base, tok, task, args)
+            for s in SETTINGS:
+                if not args.only or s.name in args.only:
+                    r = await run_setting(engine, base, tok, task, args, s, befores[seed], seed)
+                    runs.setdefault(s.name, {})[seed] = r
+                    print(f"seed {seed} {s.name:>15}: accuracy {r['final_accuracy']:.1%}  wall {r['wall_s']:.0f}s"
+                          f"  staleness {r['mean_staleness']:.2f}  dropped {r['dropped']}", flush=True)
     finally:
         await engine.close()
-    return results
+    return {"base_accuracy": befores, **{name: aggregate(by_seed) for name, by_seed in runs.items()}}
+
+
+async def base_accuracy(engine: Any, base: Path, tok: Any, task: ex.Task, args: argparse.Namespace) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl import SyncConfig, VersionClock, WeightSync
+    from asyncrl.engines.weights import state_dict_for_engine
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
+    before = await ex.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens, "base")
+    print(f"base checkpoint {base.name}: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
+    return before
+
+
+def aggregate(by_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Mean and population standard deviation over seeds of the figures verdicts are taken on."""
+    out: dict[str, Any] = {"seeds": by_seed}
+    for key in ("final_accuracy", "wall_s", "mean_staleness", "samples_per_s"):
+        values = [r[key] for r in by_seed.values()]
+        out[f"{key}_mean"] = statistics.fmean(values)
+        out[f"{key}_std"] = statistics.pstdev(values)
+    out["samples_trained"] = next(iter(by_seed.values()))["samples_trained"]
+    out["dropped"] = {k: sum(r["dropped"].get(k, 0) for r in by_seed.values())
+                      for k in {k for r in by_seed.values() for k in r["dropped"]}}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- report
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, Any]:
-    """Per async setting: accuracy relative to sync and wall-time speed-up at equal samples."""
+    """Per async setting, on the means over seeds: accuracy relative to sync and the wall-time speed-up at
+    equal samples."""
     sync = results.get("sync")
     out: dict[str, Any] = {}
     if not sync:
@@ -197,24 +235,24 @@ def verdicts(results: dict[str, Any]) -> dict[str, Any]:
     for name, r in results.items():
         if not name.startswith("async_"):
             continue
-        ratio = r["final_accuracy"] / sync["final_accuracy"] if sync["final_accuracy"] else float("nan")
-        out[name] = {"accuracy_vs_sync": ratio, "speedup_vs_sync": sync["wall_s"] / r["wall_s"],
-                     "meets_target": bool(ratio >= 0.95 and r["wall_s"] < sync["wall_s"])}
+        ratio = r["final_accuracy_mean"] / sync["final_accuracy_mean"] if sync["final_accuracy_mean"] else math.nan
+        out[name] = {"accuracy_vs_sync": ratio, "speedup_vs_sync": sync["wall_s_mean"] / r["wall_s_mean"],
+                     "meets_target": bool(ratio >= 0.95 and r["wall_s_mean"] < sync["wall_s_mean"])}
     return out
 
 
 def table(results: dict[str, Any], verdict: dict[str, Any]) -> str:
-    lines = [f"{'setting':>15} {'accuracy':>9} {'vs sync':>8} {'wall s':>7} {'speed-up':>9} {'staleness':>10} "
-             f"{'samples':>8} {'dropped':>8}"]
+    lines = [f"{'setting':>15} {'accuracy (sd)':>14} {'vs sync':>8} {'wall s (sd)':>12} {'speed-up':>9} "
+             f"{'staleness':>10} {'dropped':>8}"]
     for s in SETTINGS:
         r = results.get(s.name)
         if r is None:
             continue
         v = verdict.get(s.name, {})
         dropped = sum(c for k, c in r["dropped"].items() if k != "unused_at_shutdown")
-        lines.append(f"{s.name:>15} {r['final_accuracy']:>9.1%} {v.get('accuracy_vs_sync', 1.0):>8.2f} "
-                     f"{r['wall_s']:>7.0f} {v.get('speedup_vs_sync', 1.0):>8.2f}x {r['mean_staleness']:>10.2f} "
-                     f"{r['samples_trained']:>8} {dropped:>8}")
+        lines.append(f"{s.name:>15} {r['final_accuracy_mean']:>7.1%} ({r['final_accuracy_std']:.1%}) "
+                     f"{v.get('accuracy_vs_sync', 1.0):>8.2f} {r['wall_s_mean']:>6.0f} ({r['wall_s_std']:>3.0f}) "
+                     f"{v.get('speedup_vs_sync', 1.0):>8.2f}x {r['mean_staleness_mean']:>10.2f} {dropped:>8}")
     return "\n".join(lines)
 
 
@@ -230,11 +268,12 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
         r = results.get(s.name)
         if r is None:
             continue
-        xs = [p["wall_s"] for p in r["curve"]] + [r["wall_s"]]
-        ys = [p["accuracy"] for p in r["curve"]] + [r["final_accuracy"]]
-        ax.plot(xs, ys, "o-" if s.is_level != "none" else "s--", ms=3, color=colours[s.max_staleness],
-                label=f"{s.name} ({r['final_accuracy']:.0%}, {r['wall_s']:.0f}s)",
-                alpha=1.0 if s.is_level != "none" else 0.6)
+        for i, run in enumerate(r["seeds"].values()):  # one curve per seed, the setting's mean in the label
+            xs = [p["wall_s"] for p in run["curve"]] + [run["wall_s"]]
+            ys = [p["accuracy"] for p in run["curve"]] + [run["final_accuracy"]]
+            ax.plot(xs, ys, "o-" if s.is_level != "none" else "s--", ms=3, color=colours[s.max_staleness],
+                    label=None if i else f"{s.name} ({r['final_accuracy_mean']:.0%}, {r['wall_s_mean']:.0f}s)",
+                    alpha=0.8 if s.is_level != "none" else 0.4)
     ax.set_xlabel("training wall time (s, held-out evaluation excluded)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title(title)
@@ -260,9 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     result = common.Result("learning", args, argv)
-    task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
-    base, warm = base_checkpoint(args, task)
-    results = asyncrl.run(run_all(args, task, base))
+    bases, warm = {}, {}
+    for seed in args.seeds:
+        task = ex.arithmetic_task(n_held_out=args.held_out, seed=seed, reward=args.reward)
+        base, warm[seed] = base_checkpoint(args, task, seed)
+        bases[seed] = (task, base)
+    results = asyncrl.run(run_all(args, bases))
     verdict = verdicts(results)
     budget = args.steps * args.batch_groups * args.n
     config = {"steps": args.steps, "n": args.n, "batch_groups": args.batch_groups, "lr": args.lr,
@@ -272,9 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "_quick" if args.quick else ""
     path = result.write({**results, "verdict": verdict}, suffix=suffix, quick=args.quick, config=config,
                         warm_start=warm)
-    plot(results, result.path(suffix, ".png"),
-         f"GRPO on addition, {budget} samples per setting (base {results['base_accuracy']:.0%})")
-    print(f"\nsame sample budget: {budget} samples ({args.steps} steps x {args.batch_groups} groups x {args.n})")
+    base_mean = statistics.fmean(results["base_accuracy"].values())
+    plot(results, result.path(suffix, ".png"), f"GRPO on addition, {budget} samples per setting and seed, "
+         f"{len(args.seeds)} seeds (base {base_mean:.0%} on average)")
+    print(f"\nsame sample budget: {budget} samples ({args.steps} steps x {args.batch_groups} groups x {args.n}), "
+          f"means over seeds {args.seeds}")
     print(table(results, verdict))
     hits = [k for k, v in verdict.items() if v["meets_target"] and not k.endswith("_no_is")]
     print(f"target (async with IS >= 95% of sync accuracy, less wall time): met by {hits or 'none'}")

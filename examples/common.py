@@ -70,11 +70,14 @@ class Task:
     train_reward: RewardFn | None = None  # what RL maximises, when it differs (e.g. partial credit)
 
 
-def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0, reward: str = "exact") -> Task:
+def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0, reward: str = "exact",
+                    reversed_answers: bool = False) -> Task:
     """``a+b=`` with operands 0..99. Accuracy is exact match (``arithmetic.reward``); RL maximises the same, or
-    with ``reward="digits"`` partial credit per right digit (``arithmetic.digit_reward``)."""
+    with ``reward="digits"`` partial credit per right digit (``arithmetic.digit_reward``). With
+    ``reversed_answers`` the sum is written ones digit first, the order in which a carry flows."""
     train, held_out = arithmetic.split(n_train, n_held_out, seed=seed)
-    to_ex = lambda ps: [Example(p.prompt, p.answer) for p in ps]  # noqa: E731
+    order = (lambda a: a[::-1]) if reversed_answers else (lambda a: a)  # noqa: E731
+    to_ex = lambda ps: [Example(p.prompt, order(p.answer)) for p in ps]  # noqa: E731
     train_reward = {"exact": arithmetic.reward, "digits": arithmetic.digit_reward}[reward]
     return Task("arithmetic", to_ex(train), to_ex(held_out), arithmetic.reward, train_reward)
 

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--reward", choices=("exact", "digits"), default="exact",
                       help="addition task: RL reward, exact match or partial credit per right digit "
                            "(accuracy is always exact match)")
+    data.add_argument("--reversed-answers", action=argparse.BooleanOptionalAction, default=False,
+                      help="addition task: write the sum ones digit first (the order a carry flows)")
     tiny = p.add_argument_group("tiny model and warm start (without --model)")
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (head size 32)")
     tiny.add_argument("--layers", type=int, default=2)
@@ -100,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_task(args: argparse.Namespace) -> common.Task:
     if args.prompts is not None:
         return common.load_prompts_file(args.prompts, n_held_out=args.held_out, seed=args.seed)
-    return common.arithmetic_task(n_held_out=args.held_out, seed=args.seed, reward=args.reward)
+    return common.arithmetic_task(n_held_out=args.held_out, seed=args.seed, reward=args.reward,
+                                  reversed_answers=args.reversed_answers)
 
 
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:

@@ -194,3 +194,21 @@ async def test_queue_readers_nap_instead_of_spinning_on_cpu(vllm_engine, tokeniz
     share = (sum(worker.cpu_times()[:2]) - cpu_before) / (time.monotonic() - t0)
     # Measured: spinning ~1.0 of a core, napping ~0.05.
     assert share < 0.5, f"the idle worker used {share:.2f} of a core"
+
+
+async def test_text_decoded_once_equals_vllms_own_detokenisation(vllm_engine, tokenizer):
+    """The engine asks vLLM for ids only (no per-token detokenising) and decodes each finished sample once;
+    the text must be what vLLM's incremental detokeniser gives for the same tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingConfig(n=4, max_tokens=10, seed=5)
+    ours = await vllm_engine.generate(_prompt(tokenizer, "41+7="), params, request_id="detok")
+    for i, s in enumerate(ours):
+        sp = SamplingParams(n=1, max_tokens=10, seed=vllm_engine.sampling_params(params, f"detok-{i}", 10).seed,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in vllm_engine.llm.generate({"prompt_token_ids": list(_prompt(tokenizer, "41+7="))}, sp,
+                                                  request_id=f"detok-ref-{i}"):
+            ref = out.outputs[0]
+        assert tuple(ref.token_ids) == s.token_ids, "same seed, same tokens"
+        assert s.text == ref.text

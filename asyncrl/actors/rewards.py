@@ -17,6 +17,7 @@ import inspect
 import math
 import numbers
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ class RewardScorer:
 
     async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
         """One reward per sample. Raises ``RewardRejected`` (the group is dropped) or ``NoProgressError``."""
+        if not (self._is_async or self._in_thread):
+            return self._score_inline(prompt, samples)
         if self._overrunning >= self._max_overrunning:
             raise NoProgressError(f"the reward function hangs: {self._overrunning} calls are still running "
                                   f"more than reward_timeout_s={self._timeout_s}s after they started")
@@ -74,13 +77,29 @@ class RewardScorer:
             raise RewardRejected(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
         return [_checked(v) for v in values]
 
+    def _score_inline(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
+        """``sync_rewards="inline"``: called on the event loop, where nothing can interrupt it, so the timeout is
+        checked once it returns (without an ``asyncio.timeout`` per group: this path exists to be cheap)."""
+        t0 = time.perf_counter()
+        try:
+            values = [self._fn(prompt, s) for s in samples]
+        except Exception as exc:
+            raise RewardRejected(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
+        if time.perf_counter() - t0 > self._timeout_s:
+            raise RewardRejected(DropReason.REWARD_TIMEOUT, f"inline reward function took longer than "
+                                                            f"reward_timeout_s={self._timeout_s}s")
+        if any(type(v) is not float and inspect.isawaitable(v) for v in values):
+            for v in values:
+                if inspect.isawaitable(v):
+                    v.close()  # type: ignore[attr-defined]
+            raise RewardRejected(DropReason.REWARD_ERROR, "an inline reward function returned an awaitable; "
+                                                          "make it async (it then runs on the loop, timed)")
+        return [_checked(v) for v in values]
+
     async def _call(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Any]:
         if self._is_async:  # the group's samples are scored concurrently (a judge model, a sandbox...)
             return await together(*(self._fn(prompt, s) for s in samples))
-        if self._in_thread:
-            values = await self._in_worker_thread(prompt, samples)
-        else:
-            values = [self._fn(prompt, s) for s in samples]
+        values = await self._in_worker_thread(prompt, samples)
         if any(type(v) is not float and inspect.isawaitable(v) for v in values):  # a sync fn returning awaitables
             return await together(*(_as_awaitable(v) for v in values))
         return values

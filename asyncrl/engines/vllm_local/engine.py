@@ -43,6 +43,10 @@ class VLLMEngine:
         self.name = name
         self._version = 0
         self._stamps = hasattr(llm, "update_weight_version")  # vLLM 0.32+: engine stamps outputs
+        self._flat = _has_flat_logprobs()  # vLLM 0.32+: log-probs as flat lists, not a dict per token
+        # vLLM detokenises every step of every request (Python, per token, in this process, on the core the
+        # worker needs); the learner needs only ids, so the text is decoded once per finished sample instead.
+        self._tokenizer = llm.tokenizer
         self._ipc = cfg.uses_cuda_ipc()
         self._manifest = read_manifest(cfg.model)
         # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
@@ -86,22 +90,24 @@ class VLLMEngine:
 
     # -- sampling ----------------------------------------------------------------------------------------
 
-    def _sampling_params(self, params: SamplingConfig, request_id: str, max_tokens: int) -> Any:
+    def sampling_params(self, params: SamplingConfig, request_id: str, max_tokens: int) -> Any:
+        """The vLLM ``SamplingParams`` of one sample (public so benchmarks can send exactly the same)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra = {"flat_logprobs": True} if self._flat else {}
         return SamplingParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=request_seed(params.seed, request_id), logprobs=0, ignore_eos=params.ignore_eos,
-            output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
-        )
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
+            **extra)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
         max_tokens = completion_room(prompt_ids, self._cfg.max_model_len, params.max_tokens)
         self._raise_if_dead()
         ids = [f"{request_id}-{i}" for i in range(params.n if n is None else n)]
-        return await together(*(self._one(prompt_ids, self._sampling_params(params, rid, max_tokens), rid)
+        return await together(*(self._one(prompt_ids, self.sampling_params(params, rid, max_tokens), rid)
                                 for rid in ids))
 
     async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
@@ -110,14 +116,12 @@ class VLLMEngine:
         version_at_submit = self._version
         token_ids: list[int] = []
         logprobs: list[float] = []
-        text: list[str] = []
         final = None
         async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
                                                         request_id=request_id)):
             comp = out.outputs[0]
             if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
                 spans.add(self._version, len(comp.token_ids))
-                text.append(comp.text)
             else:
                 token_ids.clear(), logprobs.clear()
             token_ids.extend(comp.token_ids)
@@ -132,7 +136,7 @@ class VLLMEngine:
             version_spans = spans.build(version_at_submit)
         return Sample(token_ids=tuple(token_ids), logprobs=tuple(logprobs),
                       finish_reason=finish_reason(self.name, final.finish_reason), version_spans=version_spans,
-                      text=final.text if self._stamps else "".join(text))
+                      text=self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
     async def _guard(self, stream: Any) -> Any:
         """Re-raise vLLM's errors as ``EngineError`` when they mean the engine died."""
@@ -298,9 +302,19 @@ async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConf
 
 
 def _sampled_logprobs(engine: str, comp: Any) -> list[float]:
-    if comp.logprobs is None:
+    lps = comp.logprobs
+    if lps is None:
         raise EngineError(engine, "engine returned no log-probs (logprobs=0 was requested)")
-    return [step[tok].logprob for tok, step in zip(comp.token_ids, comp.logprobs)]
+    flat = getattr(lps, "logprobs", None)  # FlatLogprobs: with logprobs=0, one entry per position, in order
+    if flat is not None and len(flat) == len(comp.token_ids):
+        return flat
+    return [step[tok].logprob for tok, step in zip(comp.token_ids, lps)]
+
+
+def _has_flat_logprobs() -> bool:
+    from vllm import SamplingParams
+
+    return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
 
 
 def _dtype_from_name(name: str) -> Any:

@@ -1,0 +1,191 @@
+"""``docs/BENCHMARKS.md``, generated from the result files: the figure tables are never typed by hand.
+
+    python -m bench.report            # write docs/BENCHMARKS.md
+    python -m bench.report --check    # exit 1 if docs/BENCHMARKS.md differs from what the files give
+
+Every ``bench/results/*.json`` gets a section: what it measures, the command that wrote it, the machine (CPU
+model, cores, GPU), the load average, the versions and the date, then its headline figures. ``make test``
+checks the document against the files (``tests/test_benchmarks_doc.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+DOC = common.ROOT / "docs" / "BENCHMARKS.md"
+Rows = list[list[str]]
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f} ms"
+
+
+def table(head: list[str], rows: Rows) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def results_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """Result files written before the common header kept their figures at the top level."""
+    return doc.get("results") or doc
+
+
+# -- one formatter per benchmark -----------------------------------------------------------------------------
+
+
+def demo_seeds(r: dict[str, Any]) -> list[str]:
+    rows = [[name, pct(x["before"]), pct(x["after"]), f"{x['gain'] * 100:+.1f}", num(x["samples_per_s"], 0),
+             num(x["total_s"], 0)] for name, x in r["runs"].items()]
+    lines = table(["run", "held-out before", "after", "gain (points)", "samples/s", "run s"], rows)
+    return lines + ["", f"Gain over {len(rows)} runs: mean **{r['gain_mean'] * 100:+.1f}** points (sd "
+                        f"{r['gain_std'] * 100:.1f}), minimum **{r['gain_min'] * 100:+.1f}**; target "
+                        f"+{r['target_gain'] * 100:.0f} in every run: **{'met' if r['meets_target'] else 'not met'}**."]
+
+
+def learning(r: dict[str, Any]) -> list[str]:
+    if "verdict" not in r or not any(isinstance(v, dict) and "final_accuracy_mean" in v for v in r.values()):
+        return ["(single-seed file from before the multi-seed benchmark)"]
+    verdict, rows = r["verdict"], []
+    for name, x in r.items():
+        if isinstance(x, dict) and "final_accuracy_mean" in x:
+            v = verdict.get(name, {})
+            rows.append([name, f"{pct(x['final_accuracy_mean'])} ± {pct(x['final_accuracy_std'])}",
+                         num(v.get("accuracy_vs_sync", 1.0)), f"{num(x['wall_s_mean'], 0)} ± {num(x['wall_s_std'], 0)}",
+                         f"{num(v.get('speedup_vs_sync', 1.0))}x", num(x["mean_staleness_mean"])])
+    base = r["base_accuracy"]
+    return table(["setting", "held-out accuracy (mean ± sd)", "vs sync", "wall s (mean ± sd)", "speed-up",
+                  "staleness"], rows) + ["", f"Base accuracy per seed: {', '.join(pct(b) for b in base.values())}."]
+
+
+def engine_limit(r: dict[str, Any]) -> list[str]:
+    rows = [["pipeline / raw engine tokens/s", f"**{num(r['ratio'], 3)}**", f">= {r['target']}"],
+            ["pairs", ", ".join(num(x, 3) for x in r["pair_ratios"]), ""],
+            ["raw engine tokens/s", num(r["raw_tokens_per_s"], 0), ""],
+            ["pipeline tokens/s", num(r["pipe_tokens_per_s"], 0), ""]]
+    for key, label in (("main_cpu_us_per_token", "main process CPU per token"),):
+        if key in r:
+            rows.append([label, f"{num(r[key], 1)} µs", ""])
+    return table(["figure", "value", "target"], rows)
+
+
+def queue_micro(r: dict[str, Any]) -> list[str]:
+    rows = [["rollouts/s (best of reps)", f"**{num(r['rollouts_per_s'], 0)}**", f">= {r['target_rollouts_per_s']:,}"],
+            ["rollouts/s (median)", num(r.get("rollouts_per_s_median"), 0), ""],
+            ["CPU µs per rollout", num(r.get("us_per_rollout_cpu"), 1), ""],
+            ["enqueue-to-dequeue p50", f"{num(r['p50_ms'], 3)} ms", ""],
+            ["enqueue-to-dequeue p99", f"**{num(r['p99_ms'], 3)} ms**", "<= 1 ms"]]
+    return table(["figure", "value", "target"], rows)
+
+
+def async_vs_sync(r: dict[str, Any]) -> list[str]:
+    rows = [["speed-up, async over sync (steady state)", f"**{num(r['speedup'])}x**"],
+            ["pairs", ", ".join(f"{num(x)}x" for x in r.get("pair_speedups", []))],
+            ["ideal (generation fully hidden)", f"{num(r['ideal'])}x"],
+            ["ratio to ideal", num(r["ratio_to_ideal"])],
+            ["whole-run speed-up", f"{num(r.get('speedup_whole_run'))}x"]]
+    return table(["figure", "value"], rows)
+
+
+def contention(r: dict[str, Any]) -> list[str]:
+    rows = [["beside a training thread (same process)", num(r["gen_ratio_learner_thread"])],
+            ["beside the same thread at nice 19", num(r["gen_ratio_learner_thread_nice19"])],
+            ["beside a memory-copy process on the other core", num(r["gen_ratio_memory_stream"])],
+            ["learner step slow-down beside generation", f"{num(r['learner_slowdown'])}x"]]
+    return table(["generation speed, relative to generation alone", "value"], rows)
+
+
+def weight_sync(r: dict[str, Any]) -> list[str]:
+    rows = [[m["name"], m["transfer"], num(m["mib"], 0), ms(m.get("prepare_s")), ms(m.get("total_paused_s")),
+             ms(m.get("reload_floor_s")), num(m.get("ratio_to_reload_floor"))] for m in r["models"]]
+    return table(["model", "transfer", "MiB", "prepare (running)", "paused", "reload floor", "paused / floor"], rows)
+
+
+def vs_trl(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for profile in ("demo", "genheavy"):
+        if f"samples_per_s_ratio_{profile}" in r:
+            rows.append([profile, f"**{num(r[f'samples_per_s_ratio_{profile}'])}x**",
+                         f"{num(r.get(f'overlap_bound_{profile}'))}x", f"{r.get(f'target_{profile}')}x"])
+    lines = table(["profile", "ours / TRL (samples/s)", "overlap bound", "target"], rows)
+    if "accuracy_ours" in r:
+        lines += ["", f"Held-out accuracy from {pct(r['accuracy_base'])}: ours {pct(r['accuracy_ours'])}, "
+                      f"TRL {pct(r['accuracy_trl'])}."]
+    return lines
+
+
+FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "demo_seeds": ("The demo over seeds and machine numerics", "make demo's recipe, 5 seeds and 4 perturbations "
+                   "of seed 0 (2 torch threads, bf16 warm start, warm start stopped at 25% / 35%).", demo_seeds),
+    "learning": ("Learning: sync vs async at equal samples", "GRPO on addition; held-out greedy accuracy and "
+                 "training wall time per setting, mean over seeds.", learning),
+    "engine_limit": ("Engine limit", "Tokens/s through the whole producer path vs the bare engine, same "
+                     "requests, pairs alternated.", engine_limit),
+    "queue_micro": ("Queue layer", "Producer -> queue -> consumer with an engine that costs nothing.", queue_micro),
+    "async_vs_sync": ("Async vs sync, same work", "Samples/s of the overlapped pipeline vs generate-then-train.",
+                      async_vs_sync),
+    "contention": ("What overlap costs on this machine", "Generation speed beside other work.", contention),
+    "weight_sync": ("Weight sync", "Time generation is paused per publication, against the engine's own reload "
+                    "floor.", weight_sync),
+    "vs_trl": ("Against TRL", "Trained samples/s side by side in one run.", vs_trl),
+}
+
+
+def section(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    name = next((k for k in sorted(FORMATTERS, key=len, reverse=True) if path.name.startswith(k)), None)
+    if name is None or "hardware" not in doc:
+        return []
+    title, what, fmt = FORMATTERS[name]
+    hw, v = doc["hardware"], doc.get("versions", {})
+    load = hw.get("loadavg_at_start", [None])[0], hw.get("loadavg_at_end", [None])[0]
+    machine = f"{hw.get('cpu')}, {hw.get('cores')} cores" + (f", {hw['gpu']}" if hw.get("gpu") else "")
+    meta = (f"`{doc.get('command', '?')}` · {machine} · load {num(load[0], 1)} -> {num(load[1], 1)} · "
+            f"{str(doc.get('date', '?'))[:10]} · vLLM {v.get('vllm')}, torch {v.get('torch')}"
+            + (f" · commit {doc['commit'][:8]}" if doc.get("commit") else ""))
+    return [f"## {title}: `{path.relative_to(common.ROOT)}`", "", what, "", meta, "", *fmt(results_of(doc)), ""]
+
+
+def render(results_dir: Path = common.RESULTS) -> str:
+    lines = ["# Benchmarks", "",
+             "Generated by `python -m bench.report` from the result files in `bench/results/`; do not edit by hand "
+             "(`tests/test_benchmarks_doc.py` fails when this file and the files disagree). Each section names its "
+             "file, the command that wrote it, the machine, the load average at start and end, the date and the "
+             "versions. Speed figures are ratios measured side by side in one run.", ""]
+    for path in sorted(results_dir.glob("*.json")):
+        lines += section(path)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        same = DOC.is_file() and DOC.read_text() == text
+        print("docs/BENCHMARKS.md matches the result files" if same else
+              "docs/BENCHMARKS.md is out of date: run python -m bench.report")
+        return 0 if same else 1
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(common.ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
