@@ -20,7 +20,12 @@ class EngineError(RuntimeError):
 
 
 class PromptRejected(ValueError):
-    """The engine refused a prompt (too long for its context, empty...). The group can be dropped."""
+    """The engine refused a prompt; the group is dropped and counted. ``too_long``: it left no room in the
+    engine's context (or was empty); otherwise the engine refused it for a reason of its own."""
+
+    def __init__(self, message: str, *, too_long: bool = True) -> None:
+        super().__init__(message)
+        self.too_long = too_long
 
 
 class WeightUpdateError(RuntimeError):

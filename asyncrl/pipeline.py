@@ -20,6 +20,7 @@ from asyncrl.actors.learner import Learner
 from asyncrl.actors.producer import Producer
 from asyncrl.aio import bounded, first_cause
 from asyncrl.config import PipelineConfig
+from asyncrl.errors import ConfigError
 from asyncrl.engines.protocols import Lifecycle
 from asyncrl.errors import NoProgressError
 from asyncrl.types import RolloutGroup
@@ -65,6 +66,11 @@ class Pipeline:
             if not callable(close) or inspect.iscoroutinefunction(close):
                 raise ValueError(f"producer {p.name}'s sink must be a RolloutSender of the pipeline's queue "
                                  f"(got {type(p.sink).__name__})")
+        for p in producers:  # a group size the loss cannot learn from: refused here, not after a silent run
+            n = p.config.sampling.n
+            if n < learner.loss.min_group_size:
+                raise ConfigError("SamplingConfig.n", f"{type(learner.loss).__name__} needs groups of at least "
+                                                      f"{learner.loss.min_group_size} samples, {p.name} samples {n}")
         self.engine = engine
         self.producers = list(producers)
         self.receiver = learner.receiver

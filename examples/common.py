@@ -418,6 +418,15 @@ class EvalHook:
             metrics["eval/accuracy"] = await self.evaluate(step)
 
 
+def lr_warmup(optimizer: Any, steps: int) -> Callable[[int, dict[str, float]], None]:
+    """A learner hook ramping the learning rate linearly over the first ``steps`` steps: Adam's first updates
+    move every weight by about lr whatever the gradient, which can wreck a tiny policy at once."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    schedule = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / steps))
+    return lambda step, metrics: schedule.step()
+
+
 class ProgressHook:
     """A tqdm bar over learner steps: reward, staleness, queue depth, last sync time, last accuracy."""
 

@@ -14,8 +14,9 @@ import torch
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, WeightUpdateError
-from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.engines.weights import StagedWeights, state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
+from tests.support import apply_update
 from tests.test_vllm_engine import _first_token_seen
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -69,16 +70,17 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         long = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
         task = asyncio.create_task(engine.generate(prompt, long, "keep"))
         await _first_token_seen(engine)
-        update = await engine.prepare_update(WeightUpdate(1, state_dict_for_engine(learner)))
-        assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else Path)
+        update = await engine.prepare(WeightUpdate(1, state_dict_for_engine(learner)))
+        assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else StagedWeights)
         await engine.pause(PauseMode.KEEP, clear_cache=True)
         try:
-            await apply_update(engine, update)
+            await engine.load(update)
         finally:
             await engine.resume()
+            engine.release(update)
         kept = await task
         assert all(s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 200 for s in kept)
-        assert all(s.version_end == 1 for s in kept)
+        assert all(s.newest_version == 1 for s in kept)
 
         fresh = await engine.generate(prompt, params, "fresh")
         assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after sync the engine matches the learner"
@@ -95,15 +97,15 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         name = next(iter(good))
         nan = dict(good, **{name: torch.full_like(good[name], float("nan"))})
         with pytest.raises(WeightUpdateError, match="NaN"):
-            await engine.prepare_update(WeightUpdate(2, nan))
+            await engine.prepare(WeightUpdate(2, nan))
         with pytest.raises(WeightUpdateError, match="shape"):
-            await engine.prepare_update(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
+            await engine.prepare(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
         assert engine.version == 1
         # A staged version other than the one committed is refused without touching the weights.
         if transfer == "cuda_ipc":
-            await engine.prepare_update(WeightUpdate(3, good))
+            await engine.prepare(WeightUpdate(3, good))
             with pytest.raises(WeightUpdateError):
-                await apply_update(engine, WeightUpdate(4, good, staged=StagedInEngine(4)))
+                await engine.load(WeightUpdate(4, good, staged=StagedInEngine(4)))
             assert engine.version == 1
         after = await engine.generate(prompt, params, "after-refusals")
         assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL

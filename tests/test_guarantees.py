@@ -310,3 +310,19 @@ async def test_restoring_after_a_failed_reload_retries_the_same_number_of_times_
     for module in (local, remote):  # both engines restore through the one shared routine
         assert "restore_good_weights(" in inspect.getsource(module)
 
+
+
+async def test_a_non_finite_gradient_refuses_the_step_before_the_weights_change():
+    class NanLoss(RecordingLoss):
+        def compute(self, model, groups):
+            out = super().compute(model, groups)
+            return dataclasses.replace(out, loss=out.loss + model.weight.sum() * math.nan)
+
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(50), lambda p, s: 1.0, config(),
+                         loss=NanLoss())
+    before = {k: v.clone() for k, v in pipe.learner.model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm"):
+        await pipe.run(steps=2)
+    after = pipe.learner.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "no half-applied step"
+    assert pipe.result.unaccounted == 0

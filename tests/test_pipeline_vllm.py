@@ -177,3 +177,17 @@ async def test_a_blocking_reward_does_not_stall_the_event_loop(vllm_engine, tiny
         stats = await pipe.run(steps=3)
     assert stats.steps == 3 and stats.unaccounted == 0
     assert lag.worst < 0.05, f"event loop stalled for {lag.worst * 1000:.0f} ms"
+
+
+async def test_a_cancelled_engine_start_leaves_no_process_behind(tiny_model_dir):
+    """The start runs in a thread that cannot be stopped: cancelling it waits for the engine and shuts it down."""
+    before = child_pids()
+    start = asyncio.create_task(VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16)))
+    deadline = time.monotonic() + 60
+    while not (child_pids() - before) and time.monotonic() < deadline:  # no event tells when vLLM forks
+        await asyncio.sleep(0.05)
+    assert child_pids() - before, "the engine's processes were starting"
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    _assert_no_children(before, timeout_s=0.0)

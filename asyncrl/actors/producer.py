@@ -166,7 +166,7 @@ class Producer:
                 for i, s in zip(cut, again):
                     samples[i] = s
         except PromptRejected as exc:
-            raise _Drop(DropReason.PROMPT_TOO_LONG, str(exc)) from exc
+            raise _Drop(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR, str(exc)) from exc
         raise AssertionError("unreachable")
 
     def metrics(self) -> dict[str, float]:

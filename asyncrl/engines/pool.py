@@ -16,7 +16,6 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from asyncrl.aio import together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
@@ -127,13 +126,13 @@ class EnginePool:
         if not live:
             raise EngineError(self.name, "no engine left in rotation")
         first = await self._prepare_on(live[0], update)
-        prepared = [(live[0], first)]
-        try:
-            rest = await together(*(self._prepare_on(m, first) for m in live[1:]))
-        except BaseException:
-            live[0].engine.release(first)
-            raise
-        prepared += list(zip(live[1:], rest))
+        results = await asyncio.gather(*(self._prepare_on(m, first) for m in live[1:]), return_exceptions=True)
+        prepared = [(live[0], first)] + [(m, r) for m, r in zip(live[1:], results) if isinstance(r, WeightUpdate)]
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:  # every member that did prepare lets go of its staging
+            for member, own in prepared:
+                member.engine.release(own)
+            raise failed
         self._prepared[update.version] = prepared
         return first
 

@@ -4,7 +4,8 @@ A full garbage collection walks the process's whole heap (torch, vLLM, the model
 0.3-2 s per collection. vLLM's shutdown runs explicit collections and the interpreter's exit runs a final one,
 so an engine took 4 s to shut down. Everything alive once the engine has started lives as long as the process,
 so it is frozen then (out of the collector's reach: no collection walks it again, during generation either),
-and what is left at exit is frozen too. Shutdown then takes about half a second.
+and what is left at exit is frozen too. Shutdown then takes about a second (vLLM's own
+shutdown unfreezes and collects once more in EngineCore; that part remains).
 
 The frozen objects are never freed, which nanobind (triton's bindings) reports as leaks on stderr at teardown;
 after vLLM's own shutdown has finished there is nothing else to say there, so stderr goes to /dev/null for

@@ -13,7 +13,7 @@ kernel tensors, so after a sync the output head would still be the old one. We r
 the first reload and point them at the new parameters afterwards, redoing the alias layer's post-load
 processing (on CPU that repacks the GEMM weights the head actually uses).
 
-On CPU it also switches the worker's queue reader from spinning to napping (``vllm_executor``).
+On CPU it also switches the worker's queue reader from spinning to napping (``executor``).
 
 It also makes the worker exit fast: at exit the interpreter's final garbage collection walks vLLM's whole
 heap (measured: 2 s per process on CPU, most of the 4 s an engine took to shut down), so the extension
@@ -35,7 +35,6 @@ import torch
 
 from asyncrl.engines.vllm_local.exit_fast import exit_fast
 
-EXTENSION = "asyncrl.engines.worker_ext.AsyncRLWorkerExtension"
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
@@ -95,7 +94,7 @@ class AsyncRLWorkerExtension:
         return len(self._asyncrl_aliases)
 
     def asyncrl_stop_busy_wait(self) -> bool:
-        """Switch this worker's scheduler-input queue reader to napping (see ``vllm_executor``)."""
+        """Switch this worker's scheduler-input queue reader to napping (see ``executor``)."""
         from asyncrl.engines.vllm_local.executor import stop_busy_wait  # imports vLLM: only ever in a worker
 
         queue = own_input_queue()

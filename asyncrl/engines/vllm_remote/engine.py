@@ -188,7 +188,8 @@ class RemoteVLLMEngine:
 
     def _refusal(self, status: int, text: str, request_id: str) -> Exception:
         if status == 400:  # validation: the prompt (or its length) was refused
-            return PromptRejected(f"engine {self.name} refused request {request_id}: {text[:500]}")
+            return PromptRejected(f"engine {self.name} refused request {request_id}: {text[:500]}",
+                                  too_long="maximum context length" in text)
         return ServerStatusError(self.name, f"request {request_id}: HTTP {status}: {text[:500]}", status)
 
     async def _abort_on_server(self, request_id: str) -> None:
