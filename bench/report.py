@@ -1,7 +1,8 @@
-"""``docs/BENCHMARKS.md``, generated from the result files: the figure tables are never typed by hand.
+"""``docs/BENCHMARKS.md`` and the README's figure blocks, generated from the result files: figures are never
+typed by hand.
 
     python -m bench.report            # write docs/BENCHMARKS.md
-    python -m bench.report --check    # exit 1 if docs/BENCHMARKS.md differs from what the files give
+    python -m bench.report --check    # exit 1 if either differs from what the files give
 
 Every ``bench/results/*.json`` gets a section: what it measures, the command that wrote it, the machine (CPU
 model, cores, GPU), the load average, the versions and the date, then its headline figures. ``make test``
@@ -20,6 +21,7 @@ from typing import Any
 from bench import common
 
 DOC = common.ROOT / "docs" / "BENCHMARKS.md"
+README = common.ROOT / "README.md"
 Rows = list[list[str]]
 
 
@@ -57,8 +59,12 @@ def demo_seeds(r: dict[str, Any]) -> list[str]:
                         f"+{r['target_gain'] * 100:.0f} in every run: **{'met' if r['meets_target'] else 'not met'}**."]
 
 
+def _multi_seed(r: dict[str, Any]) -> bool:
+    return "verdict" in r and any(isinstance(v, dict) and "final_accuracy_mean" in v for v in r.values())
+
+
 def learning(r: dict[str, Any]) -> list[str]:
-    if "verdict" not in r or not any(isinstance(v, dict) and "final_accuracy_mean" in v for v in r.values()):
+    if not _multi_seed(r):
         return ["(single-seed file from before the multi-seed benchmark)"]
     verdict, rows = r["verdict"], []
     for name, x in r.items():
@@ -171,19 +177,81 @@ def render(results_dir: Path = common.RESULTS) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# -- the README's figure blocks ---------------------------------------------------------------------------------
+
+
+def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
+    path = results_dir / f"{name}.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return results_of(doc), f"`{path.relative_to(common.ROOT)}`, {doc['hardware']['cpu']}, {str(doc['date'])[:10]}"
+
+
+def demo_block(results_dir: Path) -> str:
+    loaded = _load(results_dir, "demo_seeds_cpu")
+    if loaded is None:
+        return "(no demo_seeds result yet: `python -m bench.demo_seeds`)"
+    r, source = loaded
+    n = len(r["runs"])
+    return (f"Held-out greedy accuracy over {n} runs (5 seeds, then seed 0 with 2 torch threads, a bf16 warm start, "
+            f"and warm starts stopped at 25% and 35%): **{pct(r['before_mean'])} -> {pct(r['after_mean'])}** on "
+            f"average, a gain of **{r['gain_mean'] * 100:+.1f} points** (sd {r['gain_std'] * 100:.1f}, minimum "
+            f"**{r['gain_min'] * 100:+.1f}**), at {num(r['samples_per_s_mean'], 0)} trained samples/s on 2 cores "
+            f"({source}).")
+
+
+def headline_block(results_dir: Path) -> str:
+    lines = []
+    if (x := _load(results_dir, "engine_limit_cpu")) is not None:
+        r, source = x
+        lines.append(f"- Engine limit: the whole producer path runs at **{num(r['ratio'], 3)}** of the bare engine's "
+                     f"tokens/s ({source}).")
+    if (x := _load(results_dir, "queue_micro_cpu")) is not None:
+        r, source = x
+        lines.append(f"- Queue layer: **{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 enqueue-to-dequeue "
+                     f"**{num(r['p99_ms'], 2)} ms** ({source}).")
+    if (x := _load(results_dir, "learning_cpu")) is not None and _multi_seed(x[0]):
+        r, source = x
+        best = max(((k, v) for k, v in r["verdict"].items() if not k.endswith("_no_is")),
+                   key=lambda kv: kv[1]["speedup_vs_sync"], default=None)
+        if best is not None:
+            lines.append(f"- Learning at equal samples: {best[0]} reaches {num(best[1]['accuracy_vs_sync'])}x the "
+                         f"synchronous accuracy in 1/{num(best[1]['speedup_vs_sync'])} of its wall time, means "
+                         f"over seeds ({source}).")
+    if (x := _load(results_dir, "weight_sync_cpu")) is not None:
+        r, source = x
+        m = r["models"][0]
+        lines.append(f"- Weight sync: generation paused {ms(m['total_paused_s'])} for a {num(m['mib'], 0)} MiB "
+                     f"model, {num(m['ratio_to_reload_floor'])}x vLLM's own reload ({source}).")
+    return "\n".join(lines) or "(no results yet)"
+
+
+def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:
+    for name, block in (("demo", demo_block(results_dir)), ("headline", headline_block(results_dir))):
+        begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        if not rest:
+            raise ValueError(f"README.md has no {begin} marker")
+        text = f"{head}{begin}\n{block}\n{end}{tail}"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="compare instead of writing")
     args = p.parse_args(argv)
-    text = render()
+    text, readme = render(), render_readme(README.read_text())
     if args.check:
-        same = DOC.is_file() and DOC.read_text() == text
-        print("docs/BENCHMARKS.md matches the result files" if same else
-              "docs/BENCHMARKS.md is out of date: run python -m bench.report")
+        same = DOC.is_file() and DOC.read_text() == text and README.read_text() == readme
+        print("docs/BENCHMARKS.md and README.md match the result files" if same else
+              "docs/BENCHMARKS.md or README.md is out of date: run python -m bench.report")
         return 0 if same else 1
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(common.ROOT)}")
+    README.write_text(readme)
+    print(f"wrote {DOC.relative_to(common.ROOT)} and the figure blocks of README.md")
     return 0
 
 
