@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from asyncrl.errors import ConfigError
 from asyncrl.types import PauseMode
 
-__all__ = ["AbortPolicy", "ConfigError", "InvalidGroupPolicy", "LearnerConfig", "PipelineConfig", "ProducerConfig",
-           "QueueConfig", "RewardExecution", "SamplingConfig", "SyncConfig", "describe"]
+__all__ = ["AbortPolicy", "ConfigError", "EpisodeConfig", "InvalidGroupPolicy", "LearnerConfig", "PipelineConfig",
+           "ProducerConfig", "QueueConfig", "RewardExecution", "SamplingConfig", "SyncConfig", "describe"]
 
 
 def _require(ok: bool, owner: object, name: str, message: str) -> None:
@@ -72,12 +72,39 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off; keep 1.0 for exact importance ratios)
     seed: int | None = None  # base seed for reproducible sampling; None = engine's randomness
     ignore_eos: bool = False  # keep sampling past end-of-sequence (fixed-length runs in benchmarks and tests)
+    # Token ids that end a completion (finish reason ``stop``), kept as its last token: how a model's turn
+    # ends in an episode (a tool call's closing token, an end-of-turn token). Ids, not strings: no detokenising.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive_ints(self, "n", "max_tokens")
+        ids = self.stop_token_ids
+        _require(isinstance(ids, tuple | list) and all(type(t) is int and t >= 0 for t in ids), self,
+                 "stop_token_ids", f"must be a tuple of token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         _require(math.isfinite(self.temperature) and self.temperature > 0, self, "temperature",
                  f"must be > 0, got {self.temperature!r}")
         _require(0 < self.top_p <= 1, self, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeConfig:
+    """Limits of a multi-turn episode (a producer given an environment). ``SamplingConfig.max_tokens`` limits
+    each model turn; ``n`` is the number of episodes per group."""
+
+    max_turns: int = 4  # model turns at most; an episode still running after them ends as ``length``
+    # Model and environment tokens after the prompt, at most (further capped by the engine's context). Each
+    # turn may sample only what is left; an episode with no room left ends as ``length``.
+    max_episode_tokens: int = 512
+    # Ids one environment step may append. More drops the group (``env_output_too_long``): cutting them would
+    # leave the model a context the environment never wrote (half a chat template, half a tool result).
+    max_env_tokens: int = 256
+    env_timeout_s: float = 30.0  # bound on every environment call (creation, step, close); over it: ``env_timeout``
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, "max_turns", "max_episode_tokens", "max_env_tokens")
+        _require(_positive_number(self.env_timeout_s), self, "env_timeout_s",
+                 f"must be a positive number of seconds, got {self.env_timeout_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +124,7 @@ class ProducerConfig:
     # A producer whose last this-many groups were all dropped as invalid (bad prompt or reward) stops the run
     # with ``NoProgressError``: nothing trainable is coming.
     max_consecutive_drops: int = 100
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)  # used only by a producer given an environment
 
     def __post_init__(self) -> None:
         _positive_ints(self, "max_inflight_groups", "reward_threads", "max_consecutive_drops")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from asyncrl.types import DropReason
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. ``field`` names it as ``Section.field``."""
@@ -26,6 +28,16 @@ class PromptRejected(ValueError):
     def __init__(self, message: str, *, too_long: bool = True) -> None:
         super().__init__(message)
         self.too_long = too_long
+
+
+class RolloutDropped(Exception):
+    """A group cannot be trained on. Raised while a group is being made (by an episode's environment or its
+    runner, a tool call, the reward scorer); the producer catches it, drops the group and counts it under
+    ``reason``."""
+
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class WeightUpdateError(RuntimeError):

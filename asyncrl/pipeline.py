@@ -21,7 +21,8 @@ from asyncrl.actors.producer import Producer
 from asyncrl.aio import bounded, first_cause
 from asyncrl.config import PipelineConfig
 from asyncrl.errors import ConfigError
-from asyncrl.engines.protocols import Lifecycle
+from asyncrl.engines.protocols import Lifecycle, Sleeper
+from asyncrl.episodes.runner import EpisodeMetricsHook
 from asyncrl.errors import NoProgressError
 from asyncrl.types import RolloutGroup
 
@@ -43,6 +44,7 @@ class RunResult:
     gen_s: float = 0.0  # synchronous mode: time spent generating
     train_s: float = 0.0  # time spent in optimiser steps (both modes)
     sync_s: float = 0.0  # time generation was paused for publications (both modes)
+    sleep_s: float = 0.0  # synchronous mode with a sleeping engine: time putting it to sleep (waking is in sync_s)
 
     @property
     def samples_per_s(self) -> float:
@@ -71,6 +73,9 @@ class Pipeline:
             if n < learner.loss.min_group_size:
                 raise ConfigError("SamplingConfig.n", f"{type(learner.loss).__name__} needs groups of at least "
                                                       f"{learner.loss.min_group_size} samples, {p.name} samples {n}")
+        runners = [p.episodes.counters for p in producers if p.episodes is not None]
+        if runners:  # turns, tool calls and environment time per learner step
+            learner.hooks.append(EpisodeMetricsHook(runners))
         self.engine = engine
         self.producers = list(producers)
         self.receiver = learner.receiver
@@ -128,9 +133,25 @@ class Pipeline:
             if not batch:
                 raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps; group "
                                       f"drops: {self.receiver.counters.describe_drops()}")
+            sleeper = await self._sleep_engine()
             result = await self.learner.train_and_publish(batch)
             await self.learner.flush()  # synchronous mode: the next batch is generated with these weights
+            if sleeper is not None:  # a step that published nothing: wake with the weights it slept with
+                await sleeper.wake()
             await self.learner.report(result)
+
+    async def _sleep_engine(self) -> Sleeper | None:
+        """Nothing generates until the next publication: free the engine's memory for the learner step, if the
+        weight target can sleep (``Sleeper``). Level 2 keeps no weights, so a step that will not publish sleeps
+        at level 1."""
+        target = self.learner.weight_sync.target
+        if not isinstance(target, Sleeper) or not target.sleep_level:
+            return None
+        publishes = (self.learner.step + 1) % self.learner.config.sync.every == 0
+        t0 = time.perf_counter()
+        await target.sleep(None if publishes else 1)
+        self.result.sleep_s += time.perf_counter() - t0
+        return target
 
     async def _generate_batch(self, producer: Producer, size: int) -> list[RolloutGroup]:
         """Produce groups concurrently until ``size`` valid ones exist (drops are replaced)."""

@@ -14,6 +14,7 @@ from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
 from asyncrl.config import ConfigError, PipelineConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine
+from asyncrl.episodes.types import EnvFactory
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
 from asyncrl.queues.rollout_queue import create_rollout_queue
@@ -22,14 +23,17 @@ from asyncrl.versions import VersionClock
 
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
-                  PromptSource, reward_fn: RewardFn, config: PipelineConfig | None = None, *,
+                  PromptSource, reward_fn: RewardFn | None, config: PipelineConfig | None = None, *,
                   loss: Loss | None = None, loss_config: LossConfig | None = None, pad_id: int = 0,
                   ref_model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                  monitor: Monitor | None = None, step: int = 0, close_engine: bool = True) -> Pipeline:
+                  monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
+                  env: EnvFactory | None = None) -> Pipeline:
     """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on groups sampled from ``engine``.
 
     The version clock starts at the engine's version. ``step`` continues a run restored from a checkpoint;
-    ``prompts`` may be a ``PromptSource`` already positioned at the checkpoint's cursor.
+    ``prompts`` may be a ``PromptSource`` already positioned at the checkpoint's cursor. With ``env`` every
+    group is ``n`` multi-turn episodes (``asyncrl.episodes``), rewarded by the environment plus ``reward_fn``
+    over the whole trajectory if one is given.
     """
     config = config or PipelineConfig()
     if loss is None:
@@ -41,7 +45,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module, prompts: Iterable[Prom
     sender, receiver = create_rollout_queue(config.queue, clock)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
         producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer,
-                              group_counters=receiver.counters, name=f"producer-{i}")
+                              group_counters=receiver.counters, name=f"producer-{i}", env=env)
                      for i in range(config.num_producers)]
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
                                                weight_decay=config.learner.weight_decay)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,9 +31,11 @@ class TinyModelSpec:
     seed: int = 0
 
 
-def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 96) -> int:
+def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 96,
+                    added_tokens: Sequence[str] = ()) -> int:
     """Train a byte-level BPE on ``corpus`` and save it as a transformers fast tokenizer.
 
+    ``added_tokens`` become single tokens that decode as their text (as a chat model's ``<tool_call>``).
     Returns the tokenizer's vocabulary size.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,6 +52,8 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token=EOS, pad_token="<pad>",
     )
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
     fast.save_pretrained(str(out_dir))
     return len(fast)
 

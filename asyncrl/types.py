@@ -4,6 +4,11 @@ Data flows one way: ``Prompt`` -> producer -> engine (``Sample``) -> producer (`
 ``RolloutGroup``) -> queue -> learner. Weight versions are integers owned by the learner's ``VersionClock``:
 version 0 is the initial policy, every publication makes the next one. Nothing here is stored twice: the
 versions that produced a rollout live in its sample's spans, its prompt in its group.
+
+A multi-turn episode (``asyncrl.episodes``) is a ``Trajectory``, a ``Sample`` too: its ``token_ids`` are every
+token after the prompt, the model's turns and the environment's tokens between them, flat and in order, and its
+``loss_mask`` says which are the model's. Environment tokens have no weight version and no behaviour log-prob:
+spans cover model tokens only, and the log-prob at an environment token is 0.0.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 class PauseMode(str, enum.Enum):
@@ -41,6 +46,10 @@ class DropReason(str, enum.Enum):
     REWARD_INVALID = "reward_invalid"  # the reward function returned NaN, inf or a non-number
     REWARD_TIMEOUT = "reward_timeout"  # the reward function took longer than ``reward_timeout_s``
     ENGINE_ERROR = "engine_error"  # the engine rejected the request
+    ENV_ERROR = "env_error"  # an episode's environment raised (or returned something that is not a StepResult)
+    ENV_TIMEOUT = "env_timeout"  # an environment call took longer than ``EpisodeConfig.env_timeout_s``
+    TOOL_TIMEOUT = "tool_timeout"  # a tool call took longer than its ``ToolBox`` timeout
+    ENV_OUTPUT_TOO_LONG = "env_output_too_long"  # one environment step returned more than ``max_env_tokens`` ids
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
 
@@ -48,7 +57,10 @@ class DropReason(str, enum.Enum):
 class VersionSpan:
     """Completion tokens ``[start, end)`` were sampled under weight version ``version``.
 
-    A completion with no tokens carries one empty span ``(v, 0, 0)``: the version it was requested under."""
+    A completion with no tokens carries one empty span ``(v, 0, 0)``: the version it was requested under. In a
+    ``Trajectory`` spans index the flat sequence and cover exactly its model
+    tokens, never an environment token: they are ordered, and a span never crosses from one turn to the next
+    through environment tokens."""
 
     version: int
     start: int  # index of the first completion token (0-based), inclusive
@@ -69,15 +81,23 @@ class Prompt:
 class Sample:
     """One completion as the engine produced it."""
 
-    token_ids: tuple[int, ...]  # sampled completion tokens
-    logprobs: tuple[float, ...]  # behaviour log-prob of each sampled token (nats), same length
+    token_ids: tuple[int, ...]  # sampled completion tokens (a trajectory: model and environment tokens, in order)
+    logprobs: tuple[float, ...]  # behaviour log-prob of each token (nats), same length (0.0 at environment tokens)
     finish_reason: FinishReason
-    version_spans: tuple[VersionSpan, ...]  # weight versions over the tokens; at least one span, see VersionSpan
-    text: str = ""  # detokenised completion
+    version_spans: tuple[VersionSpan, ...]  # weight versions over the model tokens; see VersionSpan
+    text: str = ""  # detokenised completion (a trajectory: its turns' and environment steps' texts, joined)
+    # Every token of a plain sample is the model's; a ``Trajectory`` overrides this with its mask. A class
+    # attribute, not a field: the single-turn path builds millions of samples and pays nothing for it.
+    loss_mask: ClassVar[tuple[int, ...] | None] = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"sample of {len(self.token_ids)} tokens has {len(self.logprobs)} log-probs")
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Tokens the model sampled (the ones the loss sees)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def oldest_version(self) -> int:
@@ -87,6 +107,22 @@ class Sample:
     @property
     def newest_version(self) -> int:
         return self.version_spans[-1].version
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory(Sample):
+    """A multi-turn episode as one flat sequence: the model's turns and the environment's tokens between them,
+    in order, exactly as they were sampled and appended. A ``Sample``, so the queue, the wire and the learner take
+    it as they take any other; spans cover its model tokens only (see ``VersionSpan``)."""
+
+    # 1 for a model token (trained on), 0 for an environment token (in the context, never in the loss); same
+    # length as ``token_ids``
+    loss_mask: tuple[int, ...] = ()  # type: ignore[misc]  # a field here, the class attribute None on Sample
+
+    def __post_init__(self) -> None:
+        Sample.__post_init__(self)  # explicit: zero-argument super() breaks in slotted dataclasses
+        if len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"trajectory of {len(self.token_ids)} tokens has a loss mask of {len(self.loss_mask)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +161,9 @@ class RolloutGroup:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.sample.token_ids) for r in self.rollouts)
+        """Model tokens over the group's rollouts (what the loss normalises by; environment tokens excluded)."""
+        return sum(len(r.sample.token_ids) if r.sample.loss_mask is None else sum(r.sample.loss_mask)
+                   for r in self.rollouts)
 
 
 @dataclass(frozen=True, slots=True)

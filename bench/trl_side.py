@@ -5,9 +5,13 @@
 The parent (``bench.vs_trl``, in the project's venv) creates the venv with ``setup_venv`` and runs this module
 in TRL's interpreter as a subprocess with ``launch``. SPEC (written by vs_trl): model_dir, out_dir, prompts,
 answers, n, batch_groups, max_tokens, steps, lr, seed, fixed_length (sample exactly max_tokens tokens:
-``min_new_tokens``), reward ("exact" or "prefix"), use_vllm, threads, bf16. Trains with ``GRPOTrainer`` as a
-user would (transformers generation unless use_vllm), saves the model into out_dir and writes RESULT: init_s,
-train_s, gen_s (time inside ``model.generate``), samples, rewards per step, or ``error`` if TRL failed.
+``min_new_tokens``), reward ("exact", "prefix", or "countdown": ``bench.countdown.reward`` against the answers
+as lengths), use_vllm, threads, bf16; optional (``bench.gpu_workload``): micro_batch (rollouts per forward /
+backward; the rest of a step is gradient accumulation), vllm_max_model_length, vllm_gpu_memory_utilization,
+vllm_sleep (``vllm_enable_sleep_mode``), save_model. Trains with ``GRPOTrainer`` as a user would (transformers
+generation unless use_vllm), saves the model into out_dir (unless save_model is false) and writes RESULT:
+init_s, train_s, gen_s (time inside ``model.generate``), samples, rewards per step, completion lengths,
+step_end_s (seconds from the start of training to the end of each step), or ``error`` if TRL failed.
 Self-contained: only the standard library at module level; the run in TRL's venv imports neither asyncrl nor
 anything from the project's venv.
 """
@@ -43,10 +47,12 @@ def setup_venv(python: Path) -> None:
                     f"transformers=={transformers.__version__}"], check=True)
 
 
-def launch(python: Path, spec: dict[str, Any], work: Path, name: str, *, paths: list[str],
-           timeout: float) -> dict[str, Any]:
-    """Run this module in TRL's interpreter ``python`` on ``spec``, with ``paths`` as its PYTHONPATH. Returns
-    its RESULT (or an ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added."""
+def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, paths: list[str],
+           timeout: float, module: str = "bench.trl_side", extra_env: dict[str, str] | None = None) -> dict[
+        str, Any]:
+    """Run ``module`` (this one, or ``bench.trl_async_side``) in TRL's interpreter ``python`` on ``spec``, with
+    ``paths`` as its PYTHONPATH and ``extra_env`` over this process's environment. Returns its RESULT (or an
+    ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -57,9 +63,16 @@ def launch(python: Path, spec: dict[str, Any], work: Path, name: str, *, paths: 
     env.pop("PYTHONPATH", None)
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra_env or {})
     t0 = time.perf_counter()
-    proc = subprocess.run([str(python), "-m", "bench.trl_side", str(spec_path), str(out_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run([str(python), "-m", module, str(spec_path), str(out_path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"TRL subprocess timed out after {timeout:.0f}s", "subprocess_wall_s": timeout,
+                "stderr_tail": (exc.stderr or b"")[-3000:].decode(errors="replace")
+                if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-3000:]}
+    (work / f"{name}_stderr.log").write_text(proc.stderr[-200_000:])
     wall = time.perf_counter() - t0
     if out_path.exists():
         res = json.loads(out_path.read_text())
@@ -80,7 +93,12 @@ def reward_fn(kind: str):
     def prefix(completions, answer, **_):
         return [1.0 if c.strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]
 
-    return {"exact": exact, "prefix": prefix}[kind]
+    def countdown(completions, answer, **_):
+        from bench.countdown import reward
+
+        return [reward(c, int(a)) for c, a in zip(completions, answer)]
+
+    return {"exact": exact, "prefix": prefix, "countdown": countdown}[kind]
 
 
 def grpo_config(spec: dict[str, Any], use_cpu: bool) -> Any:
@@ -88,11 +106,16 @@ def grpo_config(spec: dict[str, Any], use_cpu: bool) -> Any:
 
     extra = {}
     if spec["use_vllm"]:
-        extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1,
-                 "vllm_max_model_length": 256}
+        extra = {"use_vllm": True, "vllm_mode": "colocate",
+                 "vllm_gpu_memory_utilization": spec.get("vllm_gpu_memory_utilization", 0.1),
+                 "vllm_max_model_length": spec.get("vllm_max_model_length", 256),
+                 "vllm_enable_sleep_mode": bool(spec.get("vllm_sleep", False))}
+    rollouts = spec["n"] * spec["batch_groups"]
+    micro = spec.get("micro_batch") or rollouts
     return GRPOConfig(
-        output_dir=str(Path(spec["out_dir"]) / "trainer"), per_device_train_batch_size=spec["n"] * spec["batch_groups"],
-        gradient_accumulation_steps=1, num_generations=spec["n"], max_completion_length=spec["max_tokens"],
+        output_dir=str(Path(spec["out_dir"]) / "trainer"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rollouts // micro, num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"],
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0,
         loss_type="dapo", scale_rewards="group", shuffle_dataset=False, logging_steps=1, save_strategy="no",
@@ -134,11 +157,13 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]),
                           args=grpo_config(spec, use_cpu=not torch.cuda.is_available()), train_dataset=data,
-                          processing_class=tok)
+                          processing_class=tok, callbacks=[step_clock(result)])
     result["init_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
+    result["train_start"] = t1
     trainer.train()
     result["train_s"] = time.perf_counter() - t1
+    del result["train_start"]
     result["gen_s"] = gen_s[0]
     result["steps"] = trainer.state.global_step
     result["samples"] = trainer.state.global_step * spec["n"] * spec["batch_groups"]
@@ -146,8 +171,23 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     result["completion_length"] = [h.get("completions/mean_length") for h in trainer.state.log_history
                                    if "reward" in h]
     model.generate = generate
-    trainer.model.save_pretrained(str(Path(spec["out_dir"]) / "model"))
-    tok.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+    if torch.cuda.is_available():
+        result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if spec.get("save_model", True):
+        trainer.model.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+        tok.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+
+
+def step_clock(result: dict[str, Any]) -> Any:
+    """A callback that records, in ``result["step_end_s"]``, when each optimiser step ended (seconds since
+    ``result["train_start"]``)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            result.setdefault("step_end_s", []).append(time.perf_counter() - result["train_start"])
+
+    return StepClock()
 
 
 def main(spec_path: str, out_path: str) -> int:

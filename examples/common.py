@@ -219,17 +219,19 @@ def tiny_spec(hidden: int = 128, layers: int = 2, vocab: int = 32, context: int 
                          vocab_size=vocab, max_position_embeddings=context, seed=seed)
 
 
-def build_char_model(out_dir: Path, task: Task, hidden: int, layers: int, seed: int) -> Path:
+def build_char_model(out_dir: Path, task: Task, hidden: int, layers: int, seed: int,
+                     added_tokens: Sequence[str] = ()) -> Path:
     """A character-level tokenizer over the task's text and a random tiny Qwen2 model, in ``out_dir``.
 
     Characters, not BPE merges: digits as single tokens make addition learnable by a tiny model in seconds.
+    ``added_tokens`` are extra single tokens (tool-call markers, say) that decode as their text.
     """
     from asyncrl.tiny import SPECIAL_TOKENS, build_model, build_tokenizer
 
     texts = arithmetic.corpus() + [_plain(ex.prompt) + ex.answer for ex in task.train + task.held_out]
     alphabet = set("".join(texts))
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(texts, out_dir, vocab_size=len(alphabet) + len(SPECIAL_TOKENS))
+    vocab = build_tokenizer(texts, out_dir, vocab_size=len(alphabet) + len(SPECIAL_TOKENS), added_tokens=added_tokens)
     longest = max(len(_plain(ex.prompt)) + len(ex.answer) for ex in task.train + task.held_out)
     context = max(256, 2 ** math.ceil(math.log2(longest + 64)))
     build_model(out_dir, tiny_spec(hidden, layers, vocab=32 * math.ceil(vocab / 32), context=context, seed=seed),
@@ -254,6 +256,9 @@ class WarmStart:
     eval_size: int = 200  # held-out problems used for the stopping check
     seed: int = 0
     autocast: str | None = None  # "bfloat16": the SFT forward/backward under bf16 autocast (other numerics)
+    # Stop on the mean of this many evaluations: accuracy jumps by several points between evaluations, and a
+    # model stopped on one lucky spike is a worse start for RL than one that holds the target.
+    window: int = 1
 
 
 @dataclass(slots=True)
@@ -289,7 +294,8 @@ def warm_start(model_dir: Path, task: Task, cfg: WarmStart, progress: bool = Tru
             acc = hf_greedy_accuracy(model, tok, held_out, task.reward)
             result.history.append((step, acc))
             bar.set_postfix(loss=f"{loss:.3f}", held_out=f"{acc:.0%}")
-            if acc >= cfg.target:
+            recent = [a for _, a in result.history[-cfg.window:]]
+            if len(recent) == cfg.window and sum(recent) / cfg.window >= cfg.target:
                 break
     bar.close()
     result.steps, result.accuracy, result.seconds = step, result.history[-1][1], time.perf_counter() - t0

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny.add_argument("--warm-target", type=float, default=0.3, help="stop SFT at this held-out accuracy")
     tiny.add_argument("--warm-max-steps", type=int, default=3000)
     tiny.add_argument("--warm-lr", type=float, default=3e-3)
+    tiny.add_argument("--warm-window", type=int, default=1,
+                      help="stop the warm start when the mean of this many evaluations reaches the target")
     tiny.add_argument("--warm-autocast", choices=("bfloat16",), default=None,
                       help="run the warm start under bf16 autocast (numerics as on another machine)")
     rl = p.add_argument_group("GRPO")
@@ -115,8 +117,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
     shutil.rmtree(base, ignore_errors=True)
     common.build_char_model(base, task, args.hidden, args.layers, args.seed)
     cfg = common.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps, lr=args.warm_lr,
-                           autocast=args.warm_autocast,
-                           seed=args.seed)
+                           autocast=args.warm_autocast, window=args.warm_window, seed=args.seed)
     result = common.warm_start(base, task, cfg, progress=not args.no_progress)
     print(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, held-out greedy accuracy "
           f"{result.accuracy:.1%} (transformers)", flush=True)

@@ -122,3 +122,69 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("level,eager", [(1, True), (2, False)])
+async def test_gpu_sleep_frees_memory_and_wakes_with_the_update(gpu_model_dir, level, eager):
+    """Sleep at ``level`` (level 2 with CUDA graphs, which must survive the wake: same addresses), publish
+    through WeightSync (wake weights -> load -> wake KV cache), then the engine matches the learner. Prints
+    ``SLEEP_RESULT {...}`` (memory freed, sleep and wake times); ``ASYNCRL_GPU_RESULTS=DIR`` also keeps it as
+    ``DIR/sleep_level{level}.json``."""
+    import dataclasses
+    import json
+    import os
+    import time
+
+    from asyncrl import SyncConfig, VersionClock, WeightSync
+    from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+
+    kv_gib = 2.0
+    cfg = VLLMEngineConfig(model=str(gpu_model_dir), dtype="bfloat16", max_model_len=256, max_num_seqs=16,
+                           kv_cache_gib=kv_gib, sleep=level, enforce_eager=eager, torch_compile=False,
+                           cudagraph_capture_sizes=(1, 2, 4, 8, 16))
+    engine = await VLLMEngine.start(cfg)
+    try:
+        prompt, params = (5, 6, 7, 8), SamplingConfig(n=4, max_tokens=16, ignore_eos=True)
+        learner = _hf(gpu_model_dir)
+        assert _mean_diff(learner, prompt, await engine.generate(prompt, params, "base")) < BF16_MEAN_ATOL
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        await engine.sleep()
+        sleep_s = time.perf_counter() - t0
+        freed = torch.cuda.mem_get_info()[0] - free0
+        assert freed > 0.9 * kv_gib * 2**30, f"sleep freed only {freed / 2**30:.2f} GiB"
+
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP))
+        t1 = time.perf_counter()
+        timing = await sync.publish(state_dict_for_engine(learner))
+        wake_update_s = time.perf_counter() - t1
+        assert not engine.asleep and engine.version == timing.version
+        fresh = await engine.generate(prompt, params, "woken")
+        assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after wake + update the engine matches"
+        assert all(s.oldest_version == timing.version for s in fresh)
+
+        await engine.sleep()
+        t2 = time.perf_counter()
+        if level == 1:  # a host copy of the weights was kept: wake without an update
+            await engine.wake()
+        else:  # nothing was kept: only an update wakes it
+            with pytest.raises(WeightUpdateError, match="level 2"):
+                await engine.wake()
+            await sync.publish(state_dict_for_engine(learner))
+        wake_s = time.perf_counter() - t2
+        after = await engine.generate(prompt, params, "woken-again")
+        assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
+        result = {"level": level, "enforce_eager": eager, "kv_cache_gib": kv_gib, "freed_gib": freed / 2**30,
+                  "sleep_s": sleep_s, "wake_and_update_s": wake_update_s, "update_paused_s": timing.total_s,
+                  "second_wake_s": wake_s, "counters": dataclasses.asdict(engine.sleep_counters)}
+        print("SLEEP_RESULT", json.dumps(result), flush=True)
+        if os.environ.get("ASYNCRL_GPU_RESULTS"):
+            out = Path(os.environ["ASYNCRL_GPU_RESULTS"]) / f"sleep_level{level}.json"
+            out.write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        await engine.close()

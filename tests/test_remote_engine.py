@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from asyncrl.config import ConfigError, SamplingConfig
+from asyncrl.config import ConfigError, EpisodeConfig, ProducerConfig, SamplingConfig
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.pool import EnginePool
 from asyncrl.engines.protocols import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
@@ -24,9 +24,10 @@ from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
 from asyncrl.engines.vllm_remote.nccl import NcclTransportConfig, NcclWeightTransport
 from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, group_members, start_vllm_server
 from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.episodes import EpisodeRunner, StepResult, turn_slices
 from asyncrl.tasks import arithmetic
 from asyncrl.tiny import TinyModelSpec, build_tiny
-from asyncrl.types import FinishReason, PauseMode, Sample
+from asyncrl.types import FinishReason, PauseMode, Prompt, Sample
 from tests.support import SERVER_TEST_ARGS, CpuBurners, apply_update
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -253,6 +254,51 @@ async def test_generate_logprobs_and_token_ids(engine: RemoteVLLMEngine, hf_mode
         await engine.generate((), params, "empty")
     with pytest.raises(PromptRejected):
         await engine.generate(tuple(i % 90 + 3 for i in range(MAX_MODEL_LEN)), params, "too-long")
+
+
+class _Recorder:
+    """A Sampler in front of ``engine`` that keeps the context of every call."""
+
+    def __init__(self, engine: RemoteVLLMEngine) -> None:
+        self.engine, self.name, self.contexts = engine, engine.name, {}
+
+    version = property(lambda self: self.engine.version)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+
+    async def generate(self, prompt_ids, params, request_id, n=None):  # type: ignore[no-untyped-def]
+        self.contexts[request_id] = prompt_ids
+        return await self.engine.generate(prompt_ids, params, request_id, n)
+
+
+@aio
+async def test_multi_turn_episodes_send_ids_and_match_learner_logprobs(engine: RemoteVLLMEngine,
+                                                                       hf_model: torch.nn.Module) -> None:
+    """Every turn is a completion request whose prompt is the token ids so far (no text), and the trajectory's
+    model tokens carry the server's behaviour log-probs, which the learner reproduces in context."""
+    class Env:
+        steps = 0
+
+        async def step(self, turn: Sample) -> StepResult:
+            self.steps += 1
+            return StepResult((20, 21, 22), done=self.steps == 3)
+
+        async def close(self) -> None:
+            pass
+
+    recorder = _Recorder(engine)
+    cfg = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=10, seed=3, ignore_eos=True),
+                         episode=EpisodeConfig(max_turns=3))
+    episodes = await EpisodeRunner(recorder, lambda prompt: Env(), cfg).run_group("mt", Prompt("p", PROMPT))
+    for i, episode in enumerate(episodes):
+        t = episode.trajectory
+        assert t.loss_mask == (1,) * 10 + (0,) * 3 + (1,) * 10 + (0,) * 3 + (1,) * 10 + (0,) * 3
+        starts = [a for a, _ in turn_slices(t)]
+        assert [recorder.contexts[f"mt/e{i}/t{k}"] for k in range(3)] == [PROMPT + t.token_ids[:a] for a in starts]
+        hf = _hf_logprobs(hf_model, list(PROMPT + t.token_ids))[len(PROMPT) - 1:]
+        model = [(lp, want) for lp, want, m in zip(t.logprobs, hf, t.loss_mask, strict=True) if m]
+        assert _max_diff(*map(list, zip(*model))) < TOL
+    stopped = await engine.generate(PROMPT, SamplingConfig(n=2, max_tokens=8, stop_token_ids=tuple(range(128))), "stop")
+    assert all(s.finish_reason is FinishReason.STOP and len(s.token_ids) == 1 for s in stopped)
 
 
 @aio

@@ -141,7 +141,7 @@ def test_wire_round_trip_is_exact_through_json_text() -> None:
     group = make_group(tokens=5)
     back = group_from_json(json.loads(json.dumps(group_to_json(group))))
     assert back == group
-    assert group_to_json(group)["v"] == 2
+    assert group_to_json(group)["v"] == 3
     s = back.rollouts[1].sample
     assert type(back.rollouts) is tuple and type(s.token_ids) is tuple and type(s.version_spans) is tuple
     assert type(back.prompt.token_ids) is tuple and s.finish_reason is FinishReason.LENGTH
@@ -207,8 +207,8 @@ WIRE_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("missing field", lambda o: o["prompt"].pop("text"), "prompt.text: missing"),
     ("missing sample field", lambda o: _sample0(o).pop("text"), "rollouts[0].sample.text: missing"),
     ("no rollouts", lambda o: o.__setitem__("rollouts", []), "rollouts: a group needs at least one rollout"),
-    ("old version", lambda o: o.__setitem__("v", 1), "v: unsupported wire version 1; this build reads 2"),
-    ("future version", lambda o: o.__setitem__("v", 3), "v: unsupported wire version 3"),
+    ("old version", lambda o: o.__setitem__("v", 2), "v: unsupported wire version 2; this build reads 3"),
+    ("future version", lambda o: o.__setitem__("v", 4), "v: unsupported wire version 4"),
 ]
 
 

@@ -4,12 +4,13 @@ The forward/backward pass runs in the learner's own thread so the event loop kee
 the model trains (one thread: the same thread-local torch state every step, and a niceness that applies to
 training alone). Versions belong to the ``VersionClock`` that its ``WeightSync`` commits to: ``version`` is the
 one the engines serve, ``policy_version`` the one being trained (ahead while a publication is in flight).
+The step itself runs on a ``TrainingBackend`` (``actors.training``): the single-device ``LocalBackend`` by
+default, or a sharded one (``asyncrl.distributed.FSDPBackend``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -22,10 +23,10 @@ from typing import TypeVar
 
 import torch
 
+from asyncrl.actors.training import LocalBackend, TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
-from asyncrl.algorithms.losses import Loss, SkipsInertGroups
+from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
-from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
 from asyncrl.queues.rollout_queue import RolloutReceiver
@@ -46,17 +47,25 @@ class StepResult:
 
 
 class Learner:
-    """Consumes the queue's receiving end, trains ``model`` with ``loss``, publishes through ``weight_sync``."""
+    """Consumes the queue's receiving end, trains ``model`` with ``loss``, publishes through ``weight_sync``.
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Loss,
+    ``model``, ``optimizer`` and ``loss`` make the single-device ``LocalBackend``; to train on another
+    backend pass it as ``backend`` and None for those three (they then read through to the backend's)."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, loss: Loss | None,
                  receiver: RolloutReceiver, weight_sync: WeightSync, config: LearnerConfig | None = None,
-                 monitor: Monitor | None = None, step: int = 0) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.loss = loss
+                 monitor: Monitor | None = None, step: int = 0, *, backend: TrainingBackend | None = None) -> None:
+        config = config or LearnerConfig()
+        if backend is None:
+            if model is None or optimizer is None or loss is None:
+                raise ValueError("Learner needs model, optimizer and loss, or a backend")
+            backend = LocalBackend(model, optimizer, loss, config)
+        elif any(x is not None for x in (model, optimizer, loss)):
+            raise ValueError("pass model, optimizer and loss, or a backend that holds them, not both")
+        self.backend = backend
         self.receiver = receiver
         self.weight_sync = weight_sync
-        self.config = config or LearnerConfig()
+        self.config = config
         self.monitor = monitor or NullMonitor()
         self.step = step  # optimiser steps taken
         self.samples_trained = 0  # rollouts that reached the loss
@@ -65,6 +74,11 @@ class Learner:
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
         # The training thread, made on first use. Dropping the learner lets its idle thread exit.
         self._thread: ThreadPoolExecutor | None = None
+
+    # The backend's parts, read and replaced through the learner (checkpoints and tests use them).
+    model = property(lambda self: self.backend.model, lambda self, v: setattr(self.backend, "model", v))
+    optimizer = property(lambda self: self.backend.optimizer, lambda self, v: setattr(self.backend, "optimizer", v))
+    loss = property(lambda self: self.backend.loss, lambda self, v: setattr(self.backend, "loss", v))
 
     @property
     def version(self) -> int:
@@ -141,7 +155,11 @@ class Learner:
     async def publish(self, version: int | None = None) -> SyncTiming:
         """Publish the current weights (as ``version``, default the next one) and wait until they are served."""
         await self.flush()
-        return await self.weight_sync.publish(state_dict_for_engine(self.model), version)
+        tensors = await self._in_thread(self.backend.publication_state)
+        try:
+            return await self.weight_sync.publish(tensors, version)
+        finally:
+            self.backend.release(tensors)
 
     async def flush(self) -> SyncTiming | None:
         """Wait for the background publication, if any; returns its timing (raises its error)."""
@@ -152,8 +170,13 @@ class Learner:
         # At most one publication in flight. The next optimiser step changes the parameters in place, so
         # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
         previous = await self.flush()
-        snapshot = await self._in_thread(_snapshot, self.model)  # a copy of every weight: off the event loop
-        self._publishing = self.weight_sync.start(snapshot)
+        snapshot = await self._in_thread(self.backend.snapshot)  # a copy of every weight: off the event loop
+        try:
+            self._publishing = self.weight_sync.start(snapshot)
+        except BaseException:
+            self.backend.release(snapshot)
+            raise
+        self._publishing.add_done_callback(lambda _: self.backend.release(snapshot))
         return previous
 
     async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
@@ -163,55 +186,7 @@ class Learner:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Inert groups still count in the token normaliser, so the step equals one over the whole batch.
-        total_tokens = sum(g.num_tokens for g in batch) or 1
-        active = [g for g in batch if not self._inert(g)]
-        sums: dict[str, float] = {}
-        batch_loss = 0.0  # the loss of the whole batch, inert groups contributing 0
-        for chunk in _chunks(active, self.config.micro_batch_rollouts) if active else []:
-            with self._precision():
-                out = self.loss.compute(self.model, chunk)
-            # Weight each micro-batch by its share of tokens so the step matches one full-batch pass.
-            weighted = out.loss * (out.num_tokens / total_tokens)
-            weighted.backward()
-            batch_loss += float(weighted.detach())
-            for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * len(chunk) / len(active)
-        sums["loss/total"] = batch_loss  # exact, where the per-chunk average would only approximate it
-        if len(active) < len(batch):  # groups are skipped only without KL/entropy terms: policy == total
-            sums["loss/policy"] = batch_loss
-        if not active:  # a zero gradient, as scoring the batch would give: the optimiser still steps
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        grad_norm = self._clip_and_step()
-        sums.update(_batch_gauges(batch, active, sums))
-        sums["train/grad_norm"] = grad_norm
-        sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        return sums
-
-    def _precision(self) -> contextlib.AbstractContextManager[object]:
-        if self.config.autocast is None:
-            return contextlib.nullcontext()
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=getattr(torch, self.config.autocast))
-
-    def _inert(self, group: RolloutGroup) -> bool:
-        return self.config.skip_inert_groups and isinstance(self.loss, SkipsInertGroups) and self.loss.inert(group)
-
-    def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.config.max_grad_norm > 0 and params:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        else:
-            norm = float(torch.norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
-        if not torch.isfinite(torch.tensor(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.step + 1}; step skipped")
-        self.optimizer.step()
-        return norm
+        return self.backend.train_step(batch, self.step)
 
     async def report(self, result: StepResult, extra: Mapping[str, float] | None = None) -> None:
         """Add pipeline gauges to a step's metrics, run the hooks, and log to the monitor."""
@@ -234,34 +209,3 @@ def lower_thread_priority(nice: int) -> None:
     if nice:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-
-
-def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in state_dict_for_engine(model).items()}
-
-
-def _batch_gauges(batch: Sequence[RolloutGroup], active: Sequence[RolloutGroup],
-                  loss_metrics: Mapping[str, float]) -> dict[str, float]:
-    """Reward and length gauges over the whole batch (the loss saw only the active groups)."""
-    total = sum(len(g.rollouts) for g in batch)
-    scored = sum(len(g.rollouts) for g in active)
-    gauges = {
-        "train/reward_mean": sum(r.reward for g in batch for r in g.rollouts) / total,
-        "train/completion_len_mean": sum(len(r.sample.token_ids) for g in batch for r in g.rollouts) / total,
-        "train/inert_groups_frac": 1 - len(active) / len(batch),
-    }
-    gauges["train/adv_abs_mean"] = loss_metrics.get("train/adv_abs_mean", 0.0) * scored / total  # inert: 0
-    return gauges
-
-
-def _chunks(batch: Sequence[RolloutGroup], max_rollouts: int) -> list[list[RolloutGroup]]:
-    """Split whole groups into micro-batches of at most ``max_rollouts`` rollouts (at least one group)."""
-    chunks: list[list[RolloutGroup]] = [[]]
-    count = 0
-    for group in batch:
-        if chunks[-1] and count + len(group.rollouts) > max_rollouts:
-            chunks.append([])
-            count = 0
-        chunks[-1].append(group)
-        count += len(group.rollouts)
-    return chunks

@@ -8,6 +8,11 @@ closes its sink: whoever gave it one closes it when the producer's task ends.
 Abort pauses: samples cut by an ``abort`` pause finish with ``FinishReason.ABORT``. With
 ``AbortPolicy.RESUBMIT`` (default) just those samples are sampled again (they wait in the engine until it
 resumes, so they come from the new weights); with ``AbortPolicy.DROP`` the group is dropped and counted.
+
+Episodes: a producer given ``env`` (an ``EnvFactory``) plays ``n`` multi-turn episodes per prompt through an
+``EpisodeRunner`` instead of sampling ``n`` completions. A rollout's reward is the sum of its environment's step
+rewards, plus ``reward_fn(prompt, trajectory)`` when one is given (``reward_fn=None``: the environment's alone).
+Whatever drops a group on the way (``RolloutDropped``: environment, tool, reward) is counted under its reason.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from asyncrl.actors.rewards import RewardFn, RewardRejected, RewardScorer
+from asyncrl.actors.rewards import RewardFn, RewardScorer
 from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
 from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import PromptRejected, Sampler
-from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed
+from asyncrl.episodes.runner import EpisodeRunner, episode_metrics
+from asyncrl.episodes.types import EnvFactory
+from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed, RolloutDropped
 from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
@@ -40,12 +47,6 @@ class GroupSink(Protocol):
         ...
 
 
-class _Drop(Exception):
-    def __init__(self, reason: DropReason, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
 @dataclass(slots=True)
 class ProducerCounters:
     groups: int = 0  # groups sent to the sink
@@ -57,16 +58,20 @@ class ProducerCounters:
 
 
 class Producer:
-    """Samples a group per prompt, scores it with ``reward_fn`` (sync or async) and ships it to ``sink``."""
+    """Samples a group per prompt (or plays ``n`` episodes in ``env``), scores it with ``reward_fn`` (sync or
+    async) and ships it to ``sink``."""
 
-    def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn, sink: GroupSink,
+    def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
                  config: ProducerConfig | None = None, group_counters: GroupCounters | None = None,
-                 name: str = "producer") -> None:
+                 name: str = "producer", *, env: EnvFactory | None = None) -> None:
+        if reward_fn is None and env is None:
+            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, or both")
         self.sampler = sampler
         self.prompts = prompts
         self.sink = sink
         self.config = config or ProducerConfig()
-        self.scorer = RewardScorer(reward_fn, self.config)
+        self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
+        self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
         # The pipeline's group accounting (shared with the queue); drops before the queue are counted here.
         self.group_counters = group_counters if group_counters is not None else GroupCounters()
         self.name = name
@@ -109,7 +114,7 @@ class Producer:
         group_id = f"{prompt.prompt_id}#{index}"
         try:
             group = await self._build_group(group_id, prompt)
-        except _Drop as drop:
+        except RolloutDropped as drop:
             return self._drop(group_id, drop)
         stored = await self.sink.send(group)
         c = self.counters
@@ -120,7 +125,7 @@ class Producer:
         c.drops_in_a_row = 0
         return group
 
-    def _drop(self, group_id: str, drop: _Drop) -> None:
+    def _drop(self, group_id: str, drop: RolloutDropped) -> None:
         if self.config.on_invalid is InvalidGroupPolicy.FAIL and drop.reason is not DropReason.ABORTED:
             raise InvalidGroupError(f"{self.name}: group {group_id} invalid ({drop.reason.value}): {drop}")
         log.warning("%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
@@ -135,20 +140,34 @@ class Producer:
 
     async def _build_group(self, group_id: str, prompt: Prompt) -> RolloutGroup:
         self._check_prompt(prompt)
+        if self.episodes is not None:
+            return await self._build_episodes(group_id, prompt)
         samples = await self._sample_all(group_id, prompt)
-        try:
-            rewards = await self.scorer.score(prompt, samples)
-        except RewardRejected as exc:
-            raise _Drop(exc.reason, str(exc)) from exc
+        rewards = await self.scorer.score(prompt, samples)  # type: ignore[union-attr]  # RewardRejected: a drop
         rollouts = tuple(Rollout(s, r) for s, r in zip(samples, rewards))
+        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
+
+    async def _build_episodes(self, group_id: str, prompt: Prompt) -> RolloutGroup:
+        assert self.episodes is not None
+        try:
+            episodes = await self.episodes.run_group(group_id, prompt)
+        except PromptRejected as exc:
+            raise RolloutDropped(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR,
+                                 str(exc)) from exc
+        trajectories = [e.trajectory for e in episodes]
+        rewards = [e.env_reward for e in episodes]
+        if self.scorer is not None:  # a reward over the whole trajectory, added to the environment's
+            rewards = [a + b for a, b in zip(rewards, await self.scorer.score(prompt, trajectories))]
+        rollouts = tuple(Rollout(t, r) for t, r in zip(trajectories, rewards))
         return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
 
     def _check_prompt(self, prompt: Prompt) -> None:
         if not prompt.token_ids:
-            raise _Drop(DropReason.EMPTY_PROMPT, f"prompt {prompt.prompt_id!r} has no tokens")
+            raise RolloutDropped(DropReason.EMPTY_PROMPT, f"prompt {prompt.prompt_id!r} has no tokens")
         if len(prompt.token_ids) >= self.sampler.max_model_len:
-            raise _Drop(DropReason.PROMPT_TOO_LONG, f"prompt {prompt.prompt_id!r} has {len(prompt.token_ids)} "
-                                                    f"tokens; the engine's context is {self.sampler.max_model_len}")
+            raise RolloutDropped(DropReason.PROMPT_TOO_LONG, f"prompt {prompt.prompt_id!r} has "
+                                                             f"{len(prompt.token_ids)} tokens; the engine's context "
+                                                             f"is {self.sampler.max_model_len}")
 
     async def _sample_all(self, group_id: str, prompt: Prompt) -> list[Sample]:
         params = self.config.sampling
@@ -159,18 +178,23 @@ class Producer:
                 if not cut:
                     return samples
                 if self.config.on_abort is AbortPolicy.DROP or attempt > self.config.max_resubmits:
-                    raise _Drop(DropReason.ABORTED, f"{len(cut)} of {len(samples)} samples cut by an abort pause")
+                    raise RolloutDropped(DropReason.ABORTED,
+                                         f"{len(cut)} of {len(samples)} samples cut by an abort pause")
                 self.counters.resubmitted += len(cut)
                 again = await self.sampler.generate(prompt.token_ids, params, request_id=f"{group_id}/r{attempt}",
                                                     n=len(cut))
                 for i, s in zip(cut, again):
                     samples[i] = s
         except PromptRejected as exc:
-            raise _Drop(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR, str(exc)) from exc
+            raise RolloutDropped(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR,
+                                 str(exc)) from exc
         raise AssertionError("unreachable")
 
     def metrics(self) -> dict[str, float]:
         c = self.counters
-        return {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
-                "producer/resubmitted": c.resubmitted, "producer/in_flight": self.in_flight,
-                "producer/reward_overrunning": self.scorer.overrunning}
+        out = {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
+               "producer/resubmitted": c.resubmitted, "producer/in_flight": self.in_flight,
+               "producer/reward_overrunning": self.scorer.overrunning if self.scorer is not None else 0}
+        if self.episodes is not None:
+            out.update(episode_metrics([self.episodes.counters]))
+        return out

@@ -26,18 +26,14 @@ import anyio.to_thread
 
 from asyncrl.aio import together
 from asyncrl.config import ProducerConfig, RewardExecution
-from asyncrl.errors import NoProgressError
+from asyncrl.errors import NoProgressError, RolloutDropped
 from asyncrl.types import DropReason, Prompt, Sample
 
 RewardFn = Callable[[Prompt, Sample], "float | Awaitable[float]"]
 
 
-class RewardRejected(Exception):
+class RewardRejected(RolloutDropped):
     """A group's scoring failed in a way that drops the group (``reason`` says how)."""
-
-    def __init__(self, reason: DropReason, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 class RewardScorer:

@@ -11,6 +11,10 @@ truncated importance weight that carries no gradient.
 Per token, with ``r = exp(logp - old_logp)`` and ``w`` the truncated weight::
 
     term = -w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3 - entropy_coef * H
+
+Multi-turn trajectories (``Sample.loss_mask``) are scored as one sequence each, environment tokens included as
+context, but every term, the normalisers and the sequence-level importance weight count model tokens only, so
+a single-turn sample (no mask) gives exactly the numbers it gave before masks existed.
 """
 
 from __future__ import annotations
@@ -252,8 +256,10 @@ class GRPOLoss:
         rollouts = _rollouts_of(groups)
         prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
         completions = [r.sample.token_ids for r in rollouts]
+        masks = [r.sample.loss_mask for r in rollouts]  # multi-turn: environment tokens stay out of the loss
         scored = completion_logprobs(model, prompts, completions, temperature=self.cfg.temperature,
-                                     pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0)
+                                     pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0,
+                                     loss_masks=masks if any(m is not None for m in masks) else None)
         device = scored.logprobs.device
         advantages = self.advantages(groups).to(device)
         behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)

@@ -2,7 +2,8 @@
 
 It plays all three engine roles and follows their pause semantics: ``abort`` cuts in-flight samples, ``keep`` freezes them
 until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
-once), each with log-prob ``logprob``.
+once), each with log-prob ``logprob``; token ``t`` of sample ``i`` is ``(sum(prompt) + i + t) % vocab_size``, so a
+multi-turn context changes what comes next. A token in ``stop_token_ids`` ends the sample (``stop``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class FakeEngine:
         # (version, index of its first token) each time the version changes; the spans are built once at
         # the end rather than a new VersionSpan per token
         starts: list[tuple[int, int]] = []
+        stop = params.stop_token_ids
         for t in range(params.max_tokens):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
@@ -90,6 +92,8 @@ class FakeEngine:
                 starts.append((self._version, t))
             tokens.append((first + t) % self.vocab_size)
             self.token_produced.set()
+            if stop and tokens[-1] in stop:
+                return self._sample(tokens, starts, FinishReason.STOP)
         return self._sample(tokens, starts, FinishReason.LENGTH)
 
     def _sample(self, tokens: list[int], starts: list[tuple[int, int]], reason: FinishReason) -> Sample:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
     from asyncrl.engines.weights import StagedWeights
 
-__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine", "WeightTarget",
-           "WeightUpdate", "WeightUpdateError", "request_seed"]
+__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "Sleeper", "StagedInEngine",
+           "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
 
 
 def request_seed(seed: int | None, request_id: str) -> int | None:
@@ -75,7 +75,8 @@ class Sampler(Protocol):
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
-        """Sample ``n`` (default ``params.n``) completions. Called by producers, many at once.
+        """Sample ``n`` (default ``params.n``) completions. Called by producers, many at once; in an episode,
+        once per model turn with ``n=1`` on the whole context so far (``asyncrl.episodes.EpisodeRunner``).
 
         Each sample carries per-token behaviour log-probs and version spans. Samples cut by an ``abort``
         pause come back with ``FinishReason.ABORT`` and the tokens produced so far. Cancelling the call
@@ -134,6 +135,27 @@ class Lifecycle(Protocol):
 
     async def close(self) -> None:
         """Shut down and release processes and staged files. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Sleeper(Protocol):
+    """A weight target that can free its accelerator memory while a learner sharing the device trains
+    (``VLLMEngine`` with ``VLLMEngineConfig.sleep``). The synchronous pipeline drives it: ``sleep`` after a batch
+    is generated; the publication that follows wakes it (``load`` wakes the weights, ``resume`` the rest);
+    ``wake`` after a step that published nothing."""
+
+    @property
+    def sleep_level(self) -> int:
+        """1 (a host copy of the weights is kept) or 2 (nothing kept: only an update wakes it); 0: never sleeps."""
+        ...
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Pause and free memory at ``level`` (default ``sleep_level``)."""
+        ...
+
+    async def wake(self) -> None:
+        """Wake without an update, with the weights it slept with. No-op when awake."""
         ...
 
 

@@ -5,19 +5,23 @@ Decoding is strict because a malformed rollout that slips through corrupts the l
 log-prob, a log-prob list one token short, a span that misses tokens). Every error is a ``WireError``
 naming the bad field's path, e.g. ``rollouts[2].sample.logprobs: length 7 != token_ids length 8``.
 
-Layout (``"v": 2``; the prompt, its token ids included, is carried once per group)::
+Layout (``"v": 3``; the prompt, its token ids included, is carried once per group)::
 
-    {"v": 2, "group_id": str, "meta": {str: json},
+    {"v": 3, "group_id": str, "meta": {str: json},
      "prompt": {"prompt_id": str, "token_ids": [int], "text": str, "answer": json},
      "rollouts": [{"sample": {"token_ids": [int], "logprobs": [float],
                               "finish_reason": "stop"|"length"|"abort",
                               "version_spans": [{"version": int, "start": int, "end": int}],
-                              "text": str},
+                              "text": str, "loss_mask": null | [0|1]},
                    "reward": float}]}
 
-Version spans tile the completion: contiguous from token 0 to the last, each non-empty, versions never
-going back; a completion with no tokens carries exactly one empty span ``{"version": v, "start": 0, "end": 0}``
-(the version it was requested under). The arrival time is the receiving queue's business, not the wire's.
+Version spans are ordered, each non-empty, versions never going back. With ``"loss_mask": null`` (a
+``Sample``, a single completion) they tile the completion, contiguous from token 0 to the last. With a loss mask
+(a ``Trajectory``, a multi-turn episode: 1 = a model token, 0 = an environment token) they tile exactly the model
+tokens: every span lies inside one run of 1s, and together they cover every 1 and no 0; the log-prob at every 0
+is exactly 0.0 (an environment token has none). A sample with no model tokens carries exactly one empty span
+``{"version": v, "start": 0, "end": 0}`` (the version it was requested under). The arrival time is the
+receiving queue's business, not the wire's. Version 3 added ``loss_mask``; version 2 peers are refused.
 
 ``group_from_json(group_to_json(g)) == g`` exactly: tuples come back as tuples, enums as enums. Values that
 JSON cannot carry exactly (tuples, sets, non-string keys, NaN) are refused when encoding rather than
@@ -30,14 +34,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
+from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, Trajectory, VersionSpan
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 _GROUP_KEYS = {"v", "group_id", "meta", "prompt", "rollouts"}
 _PROMPT_KEYS = {"prompt_id", "token_ids", "text", "answer"}
 _ROLLOUT_KEYS = {"sample", "reward"}
-_SAMPLE_KEYS = {"token_ids", "logprobs", "finish_reason", "version_spans", "text"}
+_SAMPLE_KEYS = {"token_ids", "logprobs", "finish_reason", "version_spans", "text", "loss_mask"}
 _SPAN_KEYS = {"version", "start", "end"}
 _FINISH_REASONS = {r.value: r for r in FinishReason}
 
@@ -80,6 +84,7 @@ def _sample_to_json(s: Sample) -> dict[str, Any]:
         "finish_reason": s.finish_reason.value if isinstance(s.finish_reason, FinishReason) else s.finish_reason,
         "version_spans": [{"version": v.version, "start": v.start, "end": v.end} for v in s.version_spans],
         "text": s.text,
+        "loss_mask": None if s.loss_mask is None else list(s.loss_mask),
     }
 
 
@@ -133,13 +138,16 @@ def _sample(obj: Any, path: str) -> Sample:
     logprobs = _floats(d["logprobs"], f"{path}.logprobs")
     if len(logprobs) != len(tokens):
         raise WireError(f"{path}.logprobs", f"length {len(logprobs)} != token_ids length {len(tokens)}")
-    return Sample(
-        token_ids=tokens,
-        logprobs=logprobs,
-        finish_reason=_finish_reason(d["finish_reason"], f"{path}.finish_reason"),
-        version_spans=_spans(d["version_spans"], f"{path}.version_spans", len(tokens)),
-        text=_str(d["text"], f"{path}.text"),
-    )
+    finish_reason = _finish_reason(d["finish_reason"], f"{path}.finish_reason")
+    text = _str(d["text"], f"{path}.text")
+    mask = _loss_mask(d["loss_mask"], f"{path}.loss_mask", len(tokens))
+    if mask is None:
+        spans = _spans(d["version_spans"], f"{path}.version_spans", len(tokens))
+        return Sample(token_ids=tokens, logprobs=logprobs, finish_reason=finish_reason, version_spans=spans, text=text)
+    _check_env_logprobs(logprobs, mask, f"{path}.logprobs")
+    spans = _masked_spans(d["version_spans"], f"{path}.version_spans", mask)
+    return Trajectory(token_ids=tokens, logprobs=logprobs, finish_reason=finish_reason, version_spans=spans,
+                      text=text, loss_mask=mask)
 
 
 def _spans(obj: Any, path: str, num_tokens: int) -> tuple[VersionSpan, ...]:
@@ -147,31 +155,98 @@ def _spans(obj: Any, path: str, num_tokens: int) -> tuple[VersionSpan, ...]:
     completion carries exactly one empty span ``[v, 0, 0]``: the version it was requested under."""
     items = _list(obj, path)
     if num_tokens == 0:
-        if len(items) != 1:
-            raise WireError(path, f"an empty completion carries exactly one empty span, got {len(items)} spans")
-        d = _fields(items[0], f"{path}[0]", _SPAN_KEYS)
-        for key in ("start", "end"):
-            if _int(d[key], f"{path}[0].{key}") != 0:
-                raise WireError(f"{path}[0].{key}", "must be 0 in the empty span of an empty completion")
-        return (VersionSpan(_version(d["version"], f"{path}[0].version"), 0, 0),)
+        return _empty_span(items, path)
     spans: list[VersionSpan] = []
     for i, item in enumerate(items):
         p = f"{path}[{i}]"
-        d = _fields(item, p, _SPAN_KEYS)
-        span = VersionSpan(_version(d["version"], f"{p}.version"), _int(d["start"], f"{p}.start"),
-                           _int(d["end"], f"{p}.end"))
+        span = _span(item, p, spans)
         expected_start = spans[-1].end if spans else 0
         if span.start != expected_start:
             raise WireError(f"{p}.start", f"{span.start} != {expected_start} (spans must be contiguous from 0)")
-        if span.end <= span.start:
-            raise WireError(f"{p}.end", f"{span.end} <= start {span.start} (spans must be non-empty)")
-        if spans and span.version < spans[-1].version:
-            raise WireError(f"{p}.version", f"{span.version} < previous span's {spans[-1].version}")
         spans.append(span)
     covered = spans[-1].end if spans else 0
     if covered != num_tokens:
         raise WireError(path, f"cover {covered} tokens but token_ids has {num_tokens}")
     return tuple(spans)
+
+
+def _masked_spans(obj: Any, path: str, mask: tuple[int, ...]) -> tuple[VersionSpan, ...]:
+    """Spans of a trajectory must tile its model tokens (the runs of 1s in ``mask``) in order, each inside one
+    run; no environment token (0) is covered. No model tokens: exactly one empty span ``[v, 0, 0]``."""
+    items = _list(obj, path)
+    runs = _runs(mask)
+    if not runs:
+        return _empty_span(items, path)
+    spans: list[VersionSpan] = []
+    index = 0
+    for run_start, run_end in runs:
+        pos = run_start
+        while pos < run_end:
+            p = f"{path}[{index}]"
+            if index >= len(items):
+                raise WireError(path, f"model tokens from {pos} on are not covered (loss_mask 1 up to {run_end})")
+            span = _span(items[index], p, spans)
+            if span.start != pos:
+                raise WireError(f"{p}.start", f"{span.start} != {pos} (spans must tile the model tokens, "
+                                              f"loss_mask 1 over [{run_start}, {run_end}))")
+            if span.end > run_end:
+                raise WireError(f"{p}.end", f"{span.end} > {run_end}: the span covers environment tokens")
+            spans.append(span)
+            pos, index = span.end, index + 1
+    if index != len(items):
+        raise WireError(f"{path}[{index}]", "covers no model token (every model token is already covered)")
+    return tuple(spans)
+
+
+def _span(item: Any, p: str, before: list[VersionSpan]) -> VersionSpan:
+    d = _fields(item, p, _SPAN_KEYS)
+    span = VersionSpan(_version(d["version"], f"{p}.version"), _int(d["start"], f"{p}.start"),
+                       _int(d["end"], f"{p}.end"))
+    if span.end <= span.start:
+        raise WireError(f"{p}.end", f"{span.end} <= start {span.start} (spans must be non-empty)")
+    if before and span.version < before[-1].version:
+        raise WireError(f"{p}.version", f"{span.version} < previous span's {before[-1].version}")
+    return span
+
+
+def _empty_span(items: list[Any], path: str) -> tuple[VersionSpan, ...]:
+    if len(items) != 1:
+        raise WireError(path, f"an empty completion carries exactly one empty span, got {len(items)} spans")
+    d = _fields(items[0], f"{path}[0]", _SPAN_KEYS)
+    for key in ("start", "end"):
+        if _int(d[key], f"{path}[0].{key}") != 0:
+            raise WireError(f"{path}[0].{key}", "must be 0 in the empty span of an empty completion")
+    return (VersionSpan(_version(d["version"], f"{path}[0].version"), 0, 0),)
+
+
+def _runs(mask: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``[start, end)`` of every run of 1s."""
+    runs: list[tuple[int, int]] = []
+    for i, m in enumerate(mask):
+        if m and (not runs or runs[-1][1] != i):
+            runs.append((i, i + 1))
+        elif m:
+            runs[-1] = (runs[-1][0], i + 1)
+    return runs
+
+
+def _loss_mask(x: Any, path: str, num_tokens: int) -> tuple[int, ...] | None:
+    if x is None:
+        return None
+    items = _list(x, path)
+    if len(items) != num_tokens:
+        raise WireError(path, f"length {len(items)} != token_ids length {num_tokens}")
+    for i, m in enumerate(items):
+        if type(m) is not int or m not in (0, 1):  # ``type``: a bool would pass ``in (0, 1)``
+            raise WireError(f"{path}[{i}]", f"must be 0 or 1, got {m!r}")
+    return tuple(items)
+
+
+def _check_env_logprobs(logprobs: tuple[float, ...], mask: tuple[int, ...], path: str) -> None:
+    # Exactly 0.0: a value there would be a log-prob shifted onto the wrong token, or one no model produced.
+    for i, (lp, m) in enumerate(zip(logprobs, mask)):
+        if not m and lp != 0.0:
+            raise WireError(f"{path}[{i}]", f"{lp} at an environment token (loss_mask 0); must be 0.0")
 
 
 # ---------------------------------------------------------------- field checks

@@ -4,8 +4,9 @@ Weights are published one of two ways (``VLLMEngineConfig.weight_transfer``, see
 staged as safetensors in shared memory and loaded with vLLM's layerwise reload, the path that works on CPU
 (where ``load_weights`` after start-up has no effect); ``cuda_ipc`` (the default on CUDA): handed to the
 workers through a CUDA IPC handle and loaded into shadow parameters before the pause, so the pause covers one
-device copy. Version tags come from the engine itself where vLLM stamps outputs (0.32+); on older vLLM they are
-tracked here from streamed deltas.
+device copy. With ``VLLMEngineConfig.sleep`` it can also free its GPU memory while a colocated learner trains
+(``sleep`` / ``wake``, see ``sleep.py``). Version tags come from the engine itself where vLLM stamps outputs
+(0.32+); on older vLLM they are tracked here from streamed deltas.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, engine_args
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import ClosedLLM, pending_outputs_probe, quiet_shutdown
+from asyncrl.engines.vllm_local.sleep import SleepMixin
 from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
 from asyncrl.errors import EngineError, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
@@ -34,7 +36,7 @@ DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engin
 DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
 
-class VLLMEngine:
+class VLLMEngine(SleepMixin):
     """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
 
     def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm") -> None:
@@ -52,6 +54,7 @@ class VLLMEngine:
         # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
         self._good = StagedWeights(Path(cfg.model), owned=False)
         self._closed = False
+        self._init_sleep()
 
     @classmethod
     async def start(cls, cfg: VLLMEngineConfig, name: str = "vllm") -> VLLMEngine:
@@ -95,7 +98,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        extra = {"flat_logprobs": True} if self._flat else {}
+        extra: dict[str, Any] = {"flat_logprobs": True} if self._flat else {}
+        if params.stop_token_ids:
+            extra["stop_token_ids"] = list(params.stop_token_ids)
         return SamplingParams(
             n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=request_seed(params.seed, request_id), logprobs=0, ignore_eos=params.ignore_eos,
@@ -172,6 +177,8 @@ class VLLMEngine:
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         self._raise_if_dead()
+        if self.asleep:  # sleeping paused it already
+            return
         # Not ``pause_generation``: it ends with a blind 20 ms sleep so that outputs produced before the pause
         # reach their streams first. We ask the scheduler directly and wait for exactly that delivery.
         await self._call(self._llm.engine_core.pause_scheduler_async(mode=PauseMode(mode).value,
@@ -200,11 +207,14 @@ class VLLMEngine:
 
     async def resume(self) -> None:
         self._raise_if_dead()
-        await self._call(self._llm.resume_generation())
+        if not await self._resume_asleep():
+            await self._call(self._llm.resume_generation())
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         """Validate and stage the update while generation still runs; only the load needs the pause. An update
         another engine of a pool already staged as files is adopted as it is."""
+        if (packed := await self._prepare_asleep(update)) is not None:
+            return packed
         if self._ipc:
             staged = await stage_in_engine(self.name, self._call, self._llm, update, self._manifest,
                                            self._dtype)
@@ -215,6 +225,7 @@ class VLLMEngine:
 
     def release(self, update: WeightUpdate) -> None:
         # Shadows staged in the engine stay allocated; the next stage overwrites them.
+        self._release_packed(update)
         if isinstance(update.staged, StagedWeights):
             update.staged.release()
 
@@ -224,8 +235,11 @@ class VLLMEngine:
         await settle(self._load(update), f"loading version {update.version} into {self.name}")
 
     async def _load(self, update: WeightUpdate) -> None:
+        if await self._load_asleep(update):
+            return
         if isinstance(update.staged, StagedInEngine):
             await self._commit_staged(update.version)
+            self._weights_lost = False
             return
         if not isinstance(update.staged, StagedWeights):
             raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
@@ -238,6 +252,7 @@ class VLLMEngine:
             raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc!r}); previous weights "
                                     f"restored, version stays {self._version}") from exc
         await self._set_version(update.version)
+        self._weights_lost = False
         previous, self._good = self._good, update.staged.acquire()
         previous.release()
 

@@ -40,17 +40,32 @@ def pack_for_ipc(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: t
     return flat, payload
 
 
-async def stage_in_engine(engine: str, call: Callable[[Any], Awaitable[Any]], llm: Any, update: WeightUpdate,
-                          manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> StagedInEngine:
-    """Validate, snapshot into one buffer, and have the workers load it into their shadows."""
+async def pack_update(update: WeightUpdate, manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> tuple[
+        torch.Tensor, bytes]:
+    """Validate ``update`` and snapshot it into one buffer for the workers (``pack_for_ipc``). The caller frees
+    the buffer (``free_snapshot``) once the workers have read it."""
     validate_update(update.tensors, manifest, check_finite=False)
     first = next(iter(update.tensors.values()))
     device = first.device if first.is_cuda else torch.device("cuda", torch.cuda.current_device())
     flat, payload = await asyncio.to_thread(pack_for_ipc, dict(update.tensors), dtype, device)
+    if not bool(torch.isfinite(flat).all()):  # one pass over the snapshot instead of one per tensor
+        del flat
+        free_snapshot()
+        raise WeightUpdateError(f"parameter {first_non_finite(update.tensors)}: contains NaN or infinite values")
+    return flat, payload
+
+
+def free_snapshot() -> None:
+    """Return a freed snapshot's memory: without ``ipc_collect`` a buffer shared over IPC may stay reserved in
+    this process after it is freed."""
+    torch.cuda.ipc_collect()
+
+
+async def stage_in_engine(engine: str, call: Callable[[Any], Awaitable[Any]], llm: Any, update: WeightUpdate,
+                          manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> StagedInEngine:
+    """Validate, snapshot into one buffer, and have the workers load it into their shadows."""
+    flat, payload = await pack_update(update, manifest, dtype)
     try:
-        if not bool(torch.isfinite(flat).all()):  # one pass over the snapshot instead of one per tensor
-            bad = first_non_finite(update.tensors)
-            raise WeightUpdateError(f"parameter {bad}: contains NaN or infinite values")
         await call(llm.collective_rpc("asyncrl_stage_ipc", args=(payload, update.version)))
     except (EngineError, WeightUpdateError, asyncio.CancelledError):
         raise
@@ -58,8 +73,6 @@ async def stage_in_engine(engine: str, call: Callable[[Any], Awaitable[Any]], ll
         raise WeightUpdateError(f"engine {engine}: staging the update failed ({exc!r}); live weights "
                                 f"untouched") from exc
     finally:
-        # The workers copied it (or failed) and dropped their handles; without ipc_collect a buffer shared
-        # over IPC may stay reserved in this process after it is freed.
-        del flat
-        torch.cuda.ipc_collect()
+        del flat  # the workers copied it (or failed) and dropped their handles
+        free_snapshot()
     return StagedInEngine(update.version)

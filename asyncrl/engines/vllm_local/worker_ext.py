@@ -5,7 +5,8 @@
 2. CUDA: the learner's tensors arrive through one CUDA IPC handle while generation still runs and are loaded
    (``model.load_weights``, so vLLM's own name mapping and shard fusing apply) into *shadow* copies of the
    parameters. Under the pause, a commit copies shadows into the live parameters: one batched device copy,
-   the same storage addresses (CUDA graphs stay valid), no Python loop over checkpoint names.
+   the same storage addresses (CUDA graphs stay valid), no Python loop over checkpoint names. While the
+   engine sleeps (nothing generates) the update loads straight into the live parameters instead.
 
 vLLM's layerwise reload replaces each loaded layer's parameters; a layer that shares a parameter with
 another (e.g. ``lm_head`` tied to ``embed_tokens``) gets nothing from the checkpoint and keeps its old
@@ -109,15 +110,23 @@ class AsyncRLWorkerExtension:
         """Load the weights behind a ``pack_for_ipc`` payload into the shadow parameters. Returns how many
         checkpoint tensors were read. The live parameters are untouched until ``asyncrl_commit``."""
         self._asyncrl_staged = None
-        packed = pickle.loads(payload)
-        flat = open_ipc_tensor(packed["handle"], packed["device_uuid"])
         model = self.model_runner.get_model()
-        shadows = self._asyncrl_shadow_params(model)
-        with params_swapped(model, shadows):
-            model.load_weights(unpack(flat, packed["layout"]))
-        torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
+        with params_swapped(model, self._asyncrl_shadow_params(model)):
+            count = _load_payload(model, payload)
         self._asyncrl_staged = version
-        return len(packed["layout"])
+        return count
+
+    def asyncrl_load_ipc(self, payload: bytes) -> int:
+        """Load a ``pack_for_ipc`` payload straight into the live parameters: only while nothing generates
+        (the engine sleeps, its weights woken), where the shadow copy would only cost memory."""
+        return _load_payload(self.model_runner.get_model(), payload)
+
+    def asyncrl_release_shadows(self) -> None:
+        """Free the shadow parameters (before sleeping: memory outside vLLM's pool is not freed by sleep).
+        They are allocated again by the next ``asyncrl_stage_ipc``."""
+        self._asyncrl_shadows = None
+        self._asyncrl_staged = None
+        torch.cuda.empty_cache()
 
     def asyncrl_commit(self, version: int) -> None:
         """Copy the staged shadows into the live parameters (call while generation is paused)."""
@@ -136,6 +145,14 @@ class AsyncRLWorkerExtension:
         if getattr(self, "_asyncrl_shadows", None) is None:
             self._asyncrl_shadows = {n: p.data.clone() for n, p in model.named_parameters()}
         return self._asyncrl_shadows
+
+
+def _load_payload(model: torch.nn.Module, payload: bytes) -> int:
+    packed = pickle.loads(payload)
+    flat = open_ipc_tensor(packed["handle"], packed["device_uuid"])
+    model.load_weights(unpack(flat, packed["layout"]))
+    torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
+    return len(packed["layout"])
 
 
 def own_input_queue() -> Any:

@@ -149,7 +149,7 @@ class RemoteVLLMEngine:
 
     def _body(self, prompt_ids: tuple[int, ...], params: SamplingConfig, index: int, max_tokens: int,
               request_id: str) -> dict[str, Any]:
-        return {
+        body = {
             "model": self._cfg.model, "prompt": list(prompt_ids), "n": 1, "max_tokens": max_tokens,
             "temperature": params.temperature, "top_p": params.top_p,
             "seed": request_seed(params.seed, f"{request_id}-{index}"), "ignore_eos": params.ignore_eos,
@@ -158,6 +158,9 @@ class RemoteVLLMEngine:
             "return_tokens_as_token_ids": True,  # spares the server detokenising each log-prob entry
             "stream": True, "request_id": f"{request_id}-{index}",
         }
+        if params.stop_token_ids:  # vLLM's own field: turns end on ids, with no detokenising to match strings
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        return body
 
     async def _one(self, body: dict[str, Any]) -> Sample:
         request_id = body["request_id"]

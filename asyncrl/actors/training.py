@@ -1,0 +1,191 @@
+"""Training backends: where the learner's optimiser step runs, behind one narrow Protocol.
+
+The ``Learner`` owns the loop (batches, versions, publications, hooks); a backend owns the model, the optimiser
+and the step. ``LocalBackend`` trains on one device in this process. ``asyncrl.distributed.FSDPBackend``
+trains an FSDP2-sharded model across ranks and gathers full tensors bucket by bucket for publication. Both
+build a step from the same pieces here (``accumulate``, ``clip_and_step``, ``batch_gauges``), so a sharded
+step is the single-device step split over ranks, not a second copy of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from asyncrl.algorithms.losses import Loss, SkipsInertGroups
+from asyncrl.config import LearnerConfig
+from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.types import RolloutGroup
+
+__all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
+           "is_inert", "precision"]
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    """What the learner trains through. Every method but ``release`` runs in the learner's training thread."""
+
+    model: torch.nn.Module  # the module being trained (sharded for a distributed backend)
+    optimizer: torch.optim.Optimizer
+    loss: Loss
+
+    def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
+        """One optimiser step over the whole ``batch``; ``step`` is the number of steps taken before it.
+        Returns the step's ``loss/*`` and ``train/*`` gauges."""
+        ...
+
+    def publication_state(self) -> Mapping[str, torch.Tensor]:
+        """The full, checkpoint-format weights to publish (no tied duplicates). May share storage with the live
+        parameters: the learner does not step until the publication that reads them is done."""
+        ...
+
+    def snapshot(self) -> Mapping[str, torch.Tensor]:
+        """Like ``publication_state`` but unaffected by later steps (a background publication reads it)."""
+        ...
+
+    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The publication of ``tensors`` (from either method above) is over: free what they hold."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One micro-batch of whole groups and how it counts in the step."""
+
+    groups: list[RolloutGroup]
+    real: bool = True  # False: padding that keeps ranks in step (it runs, but contributes exactly nothing)
+
+
+def precision(model: torch.nn.Module, autocast: str | None) -> contextlib.AbstractContextManager[object]:
+    if autocast is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=getattr(torch, autocast))
+
+
+def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
+    return config.skip_inert_groups and isinstance(loss, SkipsInertGroups) and loss.inert(group)
+
+
+def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,
+               active_groups: int, autocast: str | None) -> tuple[float, dict[str, float]]:
+    """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
+    over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
+    batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
+    up to the batch's."""
+    batch_loss = 0.0
+    sums: dict[str, float] = {}
+    for chunk in parts:
+        with precision(model, autocast):
+            out = loss.compute(model, chunk.groups)
+        scale = out.num_tokens / total_tokens if chunk.real else 0.0
+        weighted = out.loss * scale
+        weighted.backward()
+        batch_loss += float(weighted.detach())
+        share = len(chunk.groups) / active_groups if chunk.real else 0.0
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * share
+    return batch_loss, sums
+
+
+def zero_grads(model: torch.nn.Module) -> None:
+    """A zero gradient, as scoring an all-inert batch would give: the optimiser still steps."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                  step: int) -> float:
+    """Clip by the global gradient norm and step. Sharded (DTensor) gradients get their norm over every rank,
+    so all ranks clip by the same factor and agree on a non-finite norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm_t = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+    if hasattr(norm_t, "full_tensor"):  # a DTensor holding this rank's partial norm
+        norm_t = norm_t.full_tensor()
+    norm = float(norm_t)
+    if not torch.isfinite(torch.tensor(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite gradient norm {norm} at step {step + 1}; step skipped")
+    if max_grad_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm_t)
+    optimizer.step()
+    return norm
+
+
+def finish_metrics(sums: dict[str, float], batch_loss: float, batch: Sequence[RolloutGroup], active: int,
+                   scored_rollouts: int) -> dict[str, float]:
+    sums["loss/total"] = batch_loss  # exact, where the per-chunk average would only approximate it
+    if active < len(batch):  # groups are skipped only without KL/entropy terms: policy == total
+        sums["loss/policy"] = batch_loss
+    sums.update(batch_gauges(batch, active, scored_rollouts, sums))
+    return sums
+
+
+def batch_gauges(batch: Sequence[RolloutGroup], active: int, scored: int,
+                 loss_metrics: Mapping[str, float]) -> dict[str, float]:
+    """Reward and length gauges over the whole batch (the loss saw only ``active`` groups, ``scored``
+    rollouts)."""
+    total = sum(len(g.rollouts) for g in batch)
+    gauges = {
+        "train/reward_mean": sum(r.reward for g in batch for r in g.rollouts) / total,
+        "train/completion_len_mean": sum(len(r.sample.token_ids) for g in batch for r in g.rollouts) / total,
+        "train/inert_groups_frac": 1 - active / len(batch),
+    }
+    gauges["train/adv_abs_mean"] = loss_metrics.get("train/adv_abs_mean", 0.0) * scored / total  # inert: 0
+    return gauges
+
+
+def chunks(batch: Sequence[RolloutGroup], max_rollouts: int) -> list[list[RolloutGroup]]:
+    """Split whole groups into micro-batches of at most ``max_rollouts`` rollouts (at least one group)."""
+    out: list[list[RolloutGroup]] = [[]]
+    count = 0
+    for group in batch:
+        if out[-1] and count + len(group.rollouts) > max_rollouts:
+            out.append([])
+            count = 0
+        out[-1].append(group)
+        count += len(group.rollouts)
+    return out
+
+
+class LocalBackend:
+    """The model on one device in this process: the single-device step."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Loss,
+                 config: LearnerConfig) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss = loss
+        self.config = config
+
+    def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Inert groups still count in the token normaliser, so the step equals one over the whole batch.
+        total_tokens = sum(g.num_tokens for g in batch) or 1
+        active = [g for g in batch if not is_inert(self.loss, cfg, g)]
+        parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts)] if active else []
+        batch_loss, sums = accumulate(self.model, self.loss, parts, total_tokens=total_tokens,
+                                      active_groups=len(active), autocast=cfg.autocast)
+        if not active:
+            zero_grads(self.model)
+        grad_norm = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, step)
+        sums = finish_metrics(sums, batch_loss, batch, len(active), sum(len(g.rollouts) for g in active))
+        sums["train/grad_norm"] = grad_norm
+        sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return sums
+
+    def publication_state(self) -> Mapping[str, torch.Tensor]:
+        return state_dict_for_engine(self.model)
+
+    def snapshot(self) -> Mapping[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in state_dict_for_engine(self.model).items()}
+
+    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        pass  # plain tensors: the garbage collector frees them

@@ -1,0 +1,113 @@
+"""Running a sharded learner: rank 0 runs the asyncio pipeline, every other rank serves its commands.
+
+    def setup(ctx: RankContext) -> FSDPBackend: ...          # every rank: build, shard, optimiser
+    async def lead(backend: FSDPBackend) -> T: ...          # rank 0: engines, pipeline, run
+    run_ranks(setup, lead)                                  # under torchrun or asyncrl.launch.ray
+
+``run_ranks`` always ends the followers: when rank 0's work returns, fails or is cancelled (SIGTERM, which
+torchrun sends when another rank died) it sends them a stop (saying whether the run failed) before leaving.
+``sharded_pipeline`` is ``grpo_pipeline``'s wiring around a given backend, publishing through ``target``
+(e.g. a ``PrestagedTarget`` in front of an ``EnginePool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from asyncrl.actors.learner import Learner
+from asyncrl.actors.producer import Producer
+from asyncrl.actors.rewards import RewardFn
+from asyncrl.actors.weight_sync import WeightSync
+from asyncrl.config import PipelineConfig
+from asyncrl.data import PromptSource
+from asyncrl.distributed.fsdp import FSDPBackend
+from asyncrl.distributed.ranks import RankContext, close_ranks, init_ranks
+from asyncrl.engines.protocols import Engine, WeightTarget
+from asyncrl.metrics import Monitor
+from asyncrl.pipeline import Pipeline
+from asyncrl.queues.rollout_queue import create_rollout_queue
+from asyncrl.recipes import check_group_size
+from asyncrl.runtime import run
+from asyncrl.types import Prompt
+from asyncrl.versions import VersionClock
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+STOP_WAIT_S = 60.0  # a step in progress (up to STOP_TIMEOUT_S) plus the stop itself
+
+
+def sharded_pipeline(engine: Engine, backend: FSDPBackend, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
+                     PromptSource, reward_fn: RewardFn, config: PipelineConfig | None = None, *,
+                     target: WeightTarget | None = None, monitor: Monitor | None = None, step: int = 0,
+                     close_engine: bool = True) -> Pipeline:
+    """Rank 0: a ``Pipeline`` whose learner trains through ``backend`` (its loss, model and optimiser) on groups
+    sampled from ``engine``, publishing through ``target`` (default: ``engine``)."""
+    config = config or PipelineConfig()
+    check_group_size(backend.loss, config)
+    source = prompts if isinstance(prompts, PromptSource) else PromptSource(prompts)
+    clock = VersionClock(engine.version)
+    sender, receiver = create_rollout_queue(config.queue, clock)
+    with sender:  # each producer holds a clone; the queue ends when the last producer's closes
+        producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer,
+                              group_counters=receiver.counters, name=f"producer-{i}")
+                     for i in range(config.num_producers)]
+    sync = WeightSync(target or engine, clock, config.learner.sync)
+    learner = Learner(None, None, None, receiver, sync, config.learner, monitor=monitor, step=step,
+                      backend=backend)
+    return Pipeline(engine, producers, learner, config, close_engine=close_engine)
+
+
+def run_ranks(setup: Callable[[RankContext], FSDPBackend],
+              lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]], **init: Any) -> T | None:
+    """Join the ranks (``init`` goes to ``init_ranks``), build the backend on each, then rank 0 runs ``lead``
+    under uvloop while the others serve. Returns ``lead``'s result on rank 0, None elsewhere."""
+    ctx = init_ranks(**init)
+    backend = setup(ctx)
+    if not ctx.leader:
+        backend.serve()
+        close_ranks()
+        return None
+    result = run(_leading(backend, lead))
+    close_ranks()
+    return result
+
+
+async def _leading(backend: FSDPBackend, lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]]) -> T:
+    task = asyncio.current_task()
+    assert task is not None
+    try:  # torchrun stops the other ranks with SIGTERM when one fails: unwind, so engines and servers close
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):
+        log.debug("no SIGTERM handler here (not the main thread)")
+    try:
+        result = await lead(backend)
+    except BaseException as exc:
+        reason = "rank 0 was cancelled" if isinstance(exc, asyncio.CancelledError) else f"rank 0 failed: {exc!r}"
+        await asyncio.shield(_stop(backend, reason, failed=True))
+        raise
+    await _stop(backend, "the run is done", failed=False)
+    return result
+
+
+async def _stop(backend: FSDPBackend, reason: str, *, failed: bool) -> None:
+    """``backend.stop`` in a daemon thread, waited for at most ``STOP_WAIT_S``: a follower stuck elsewhere must
+    not keep rank 0 from exiting (its exit then ends the follower's collective)."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def stop() -> None:
+        try:
+            backend.stop(reason, failed=failed)
+        finally:
+            loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=stop, name="asyncrl-stop-ranks", daemon=True).start()
+    try:
+        await asyncio.wait_for(done.wait(), STOP_WAIT_S)
+    except TimeoutError:
+        log.error("the other ranks did not take the stop within %.0fs; leaving without them", STOP_WAIT_S)

@@ -1,0 +1,518 @@
+"""A realistic GRPO workload on the GPU, ours and TRL's side by side: trained samples/s and tokens/s at equal
+samples, with the long-tailed completion lengths of real reasoning traces.
+
+    python -m bench.gpu_workload                            # one H200: gpu_workload_h200.json
+    python -m bench.gpu_workload --layout 2gpu              # two H200s: gpu_workload_h200x2.json
+    python -m bench.gpu_workload --cpu-smoke --out /tmp/w   # tiny shapes on CPU: the code paths, no figures
+
+Task (``bench.countdown``): prompts of 100-300 tokens, 8 completions each, whose right answers have lognormal
+lengths (mean ~256, max 1000 tokens + end-of-sequence; ``--max-tokens`` 1024), reward verifiable from the text.
+The policy is a Qwen2-0.5B-shaped model (``--shapes`` also takes ``qwen2-1.5b``), randomly initialised, then
+warm-started briefly on the GPU by supervised training on the task (``--warm-start-steps``), so that both sides
+start from the same policy, which produces the lengths itself. Built and warm-started in their own processes,
+cached by recipe under ``.cache/bench/gpu-workload``.
+
+Each side trains ``--steps`` optimiser steps of ``--batch-groups`` prompts x ``--n`` completions (equal samples),
+from the same prompts in the same order, GRPO without KL, clip 0.2/0.28, token-mean loss, constant learning rate,
+float32 weights under bf16 autocast, vLLM in bf16 with CUDA graphs and torch.compile (vLLM's defaults on both
+sides; ``--no-engine-compile`` keeps graphs but skips the compile for ours), every group trained on.
+
+Layout ``1gpu`` (everything colocated on GPU 0):
+- ``async``: ours, ``Pipeline.run``: producers keep ``--inflight-batches`` batches of groups in flight while the
+  learner trains, publications every step in the background (max staleness ``--max-staleness``);
+- ``sync``: ours, ``Pipeline.run_synchronous`` on the same engine, which sleeps (``VLLMEngineConfig.sleep``,
+  ``--sleep-level``) during every learner step and wakes weights -> update -> KV cache;
+- ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
+  ``vllm_enable_sleep_mode`` (``bench.trl_side``).
+Layout ``2gpu`` (engine on GPU 1, learner on GPU 0):
+- ``alone``: the engine by itself at the producers' concurrency (tokens/s), then ``async`` as above; their ratio
+  ``generation_limit_ratio`` = engine tokens/s during training over the engine alone;
+- ``trl_async``: TRL's ``AsyncGRPOTrainer`` against ``vllm serve`` on GPU 1 (``bench.trl_async_side``).
+
+Per run: ``samples_per_s`` (trained samples over the training wall time; start-up reported apart), the same over
+the steps after the first ``--skip-steps`` (``samples_per_s_steady``: the pipeline's fill left out),
+``completion_tokens_per_s`` (tokens of the trained completions), mean completion length, peak GPU memory in use
+on each device (sampled by this process: everything on the device, all processes). Results are written after
+every side, so a run cut short by its time limit keeps what it measured; ``--deadline-s`` skips sides that would
+not fit (recorded as skipped).
+
+verl is not compared here: it runs on Ray with its own dependency set, and the H200 host has neither, reaches no
+package registry, and takes only a few tens of MiB of extra packages beside vLLM (Ray's wheel alone is ~70 MB).
+Compare with verl's published figures on paper instead; no verl figure is produced or estimated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench import common, countdown
+
+SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
+WARM_STEPS = {"qwen2-0.5b": 200, "qwen2-1.5b": 150, "tiny": 200}  # at most; stops at 99.8% accuracy
+SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150}
+log = logging.getLogger("bench.gpu_workload")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.parser(__doc__)
+    p.add_argument("--layout", choices=list(SIDES), default="1gpu")
+    p.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: qwen2-0.5b, qwen2-1.5b")
+    p.add_argument("--sides", default="", help="comma-separated subset of the layout's sides (default: all)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the steady-state rate")
+    p.add_argument("--batch-groups", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--inflight-batches", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start-steps", type=int, default=0, help="0: the shape's default")
+    p.add_argument("--warm-batch", type=int, default=16)
+    p.add_argument("--warm-lr", type=float, default=3e-4)
+    p.add_argument("--kv-cache-gib", type=float, default=8.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--engine-compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sleep-level", type=int, choices=(1, 2), default=2, help="ours, sync side")
+    p.add_argument("--trl-python", default=sys.executable, help="the interpreter TRL is importable in")
+    p.add_argument("--trl-path", action="append", default=[],
+                   help="directories put first on TRL's PYTHONPATH (its wheels); this process's PYTHONPATH follows")
+    p.add_argument("--trl-gpu-memory-utilization", type=float, default=0.12, help="TRL colocate's vLLM share")
+    p.add_argument("--trl-timeout", type=int, default=480)
+    p.add_argument("--deadline-s", type=float, default=0, help="skip sides that would end past this (0: none)")
+    p.add_argument("--tag", default="", help="appended to the result file's name (gpu_workload_h200_TAG.json)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: prove the code paths run")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.shapes, args.steps, args.skip_steps, args.batch_groups, args.n = "tiny", 2, 1, 2, 4
+        args.max_tokens, args.kv_cache_gib, args.max_num_seqs, args.lr, args.warm_lr = 48, 1.0, 16, 1e-4, 1e-3
+    args.sides = args.sides.split(",") if args.sides else list(SIDES[args.layout])
+    return args
+
+
+def task_scale(args: argparse.Namespace) -> dict[str, Any]:
+    """Answer lengths and prompt lengths: the real ones, or small ones for the CPU smoke run."""
+    if args.cpu_smoke:
+        return {"max_len": 32, "prompt_range": (12, 24)}
+    return {"max_len": countdown.MAX_L, "prompt_range": (100, 300)}
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str, Any]]:
+    """The warm-started policy both sides start from: built, then warm-started, each in its own process (a 0.5B
+    model built in the process that then starts vLLM stalled its start-up once on the H200)."""
+    import subprocess
+
+    scale = task_scale(args)
+    steps = args.warm_start_steps or WARM_STEPS[shape]
+    recipe = {"shape": shape, "seed": args.seed, "steps": steps, "batch": args.warm_batch, "lr": args.warm_lr,
+              "max_len": scale["max_len"], "version": 1}
+    base = common.CACHE / "gpu-workload" / f"{shape}-base"
+
+    def build(out: Path) -> dict[str, Any]:
+        py = [sys.executable, "-m", "bench.countdown"]
+        if not (base / "config.json").exists():
+            subprocess.run([*py, "build", str(base), "--shape", shape, "--seed", str(args.seed)], check=True)
+        done = subprocess.run([*py, "warm", str(base), str(out), "--steps", str(steps), "--batch",
+                               str(args.warm_batch), "--lr", str(args.warm_lr), "--seed", str(args.seed),
+                               "--max-len", str(scale["max_len"]), "--prompt-range",
+                               *map(str, scale["prompt_range"])], check=True, stdout=subprocess.PIPE, text=True)
+        line = next(x for x in done.stdout.splitlines() if x.startswith("WARM "))
+        return json.loads(line[5:])
+
+    t0 = time.perf_counter()
+    out, info = common.cached_build(common.CACHE / "gpu-workload" / f"{shape}-warm", recipe, build)
+    return out, {**info, "prepare_s": time.perf_counter() - t0, "params": common.param_count(out)}
+
+
+def task_prompts(args: argparse.Namespace, tok: Any, count: int) -> list[Any]:
+    from asyncrl import Prompt
+
+    scale = task_scale(args)
+    problems = countdown.problems(args.seed, count, max_len=scale["max_len"], prompt_range=scale["prompt_range"])
+    return [Prompt(f"p{i}", tuple(tok(p.prompt, add_special_tokens=False).input_ids), p.prompt, p.length)
+            for i, p in enumerate(problems)]
+
+
+# ---------------------------------------------------------------------------------------------- GPU memory
+
+
+class MemoryWatch:
+    """Peak memory in use on each device (all processes), sampled every ``period_s`` from this process."""
+
+    def __init__(self, devices: int, period_s: float = 0.2) -> None:
+        self.devices, self.period_s = devices, period_s
+        self.peak = [0.0] * devices
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            for d in range(self.devices):
+                free, total = torch.cuda.mem_get_info(d)
+                self.peak[d] = max(self.peak[d], (total - free) / 2**30)
+            self._stop.wait(self.period_s)
+
+    @contextmanager
+    def watching(self) -> Any:
+        if not self.devices:
+            yield self
+            return
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+
+def watch(args: argparse.Namespace) -> MemoryWatch:
+    if args.cpu_smoke or not common.on_gpu():
+        return MemoryWatch(0)
+    return MemoryWatch(2 if args.layout == "2gpu" else 1)
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if common.on_gpu():
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------------ ours
+
+
+def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
+    import asyncrl
+
+    b = args.batch_groups
+    return asyncrl.PipelineConfig(
+        producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
+                                        max_inflight_groups=b if synchronous else b * args.inflight_batches),
+        queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness),
+                                  max_staleness=0 if synchronous else args.max_staleness),
+        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=args.n,
+                                      skip_inert_groups=False, autocast=None if args.cpu_smoke else "bfloat16",
+                                      sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous)),
+    )
+
+
+def engine_config(args: argparse.Namespace, model_dir: Path) -> Any:
+    from asyncrl.engines.vllm_local import VLLMEngineConfig
+
+    gpu = common.on_gpu() and not args.cpu_smoke
+    longest = task_scale(args)["prompt_range"][1] + args.max_tokens + 1
+    sleeps = args.layout == "1gpu" and "sync" in args.sides
+    return VLLMEngineConfig(model=str(model_dir), dtype="bfloat16" if gpu else "float32",
+                            max_model_len=common.context_len(longest), max_num_seqs=args.max_num_seqs,
+                            kv_cache_gib=args.kv_cache_gib, enforce_eager=not gpu, torch_compile=args.engine_compile,
+                            seed=args.seed, sleep=args.sleep_level if sleeps else 0)
+
+
+@contextmanager
+def engine_devices(args: argparse.Namespace) -> Any:
+    """2gpu: the engine's processes see GPU 1 first (theirs) and GPU 0 (the learner's, whose CUDA IPC weight
+    snapshots they open); this process has initialised CUDA with both visible before, so it is unaffected."""
+    if args.layout != "2gpu" or args.cpu_smoke:
+        yield
+        return
+    import torch
+
+    torch.cuda.init()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def rates(marks: list[float], per_step: int, tokens: list[float], wall: float, skip: int) -> dict[str, Any]:
+    """Whole-run and steady-state rates from step end times (seconds from the start) and completion tokens per
+    step."""
+    samples = len(marks) * per_step
+    out = {"steps": len(marks), "samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
+           "completion_tokens": sum(tokens), "completion_tokens_per_s": sum(tokens) / wall,
+           "completion_len_mean": sum(tokens) / max(1, samples), "step_end_s": marks}
+    if len(marks) > skip >= 1:
+        span = marks[-1] - marks[skip - 1]
+        out["samples_per_s_steady"] = (len(marks) - skip) * per_step / span
+        out["completion_tokens_per_s_steady"] = sum(tokens[skip:]) / span
+    return out
+
+
+async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: Any, prompts: list[Any],
+                  synchronous: bool, memory: MemoryWatch) -> dict[str, Any]:
+    from asyncrl.algorithms.losses import LossConfig
+    from asyncrl.recipes import grpo_pipeline
+
+    model = common.load_learner(model_dir, dtype="float32")
+    pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
+                         pipeline_config(args, synchronous), pad_id=tok.pad_token_id, close_engine=False,
+                         loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"))
+    per_step = args.batch_groups * args.n
+    marks, tokens, rewards = [], [], []
+    t0 = time.perf_counter()
+
+    def hook(step: int, m: dict[str, float]) -> None:
+        marks.append(time.perf_counter() - t0)
+        tokens.append(m.get("train/completion_len_mean", 0.0) * per_step)
+        rewards.append(m.get("train/reward_mean", float("nan")))
+
+    pipe.learner.hooks.append(hook)
+    counters = getattr(engine, "sleep_counters", None)
+    before = (counters.sleep_s, counters.wake_s) if counters else (0.0, 0.0)
+    with memory.watching():
+        result = await (pipe.run_synchronous if synchronous else pipe.run)(args.steps)
+    wall = time.perf_counter() - t0
+    out = rates(marks, per_step, tokens, wall, args.skip_steps)
+    out.update(mode="sync" if synchronous else "async", rewards=rewards, tokens_generated=result.tokens_generated,
+               generated_tokens_per_s=result.tokens_generated / wall, learner_train_s=result.train_s,
+               gen_s=result.gen_s, sync_paused_s=result.sync_s, sleep_s=result.sleep_s, dropped=result.dropped,
+               unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak),
+               staleness_mean=common.staleness_mean(pipe.receiver.statistics().staleness))
+    if counters:
+        out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
+    del model, pipe
+    free_gpu()
+    return out
+
+
+async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]) -> dict[str, Any]:
+    """The engine by itself: the same groups at the producers' concurrency, nothing else running."""
+    import asyncrl
+
+    params = asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens)
+    gate = asyncio.Semaphore(args.batch_groups * args.inflight_batches)
+    groups = prompts[: args.steps * args.batch_groups]
+
+    async def one(i: int, p: Any) -> int:
+        async with gate:
+            return sum(len(s.token_ids) for s in await engine.generate(p.token_ids, params, f"alone-{i}"))
+
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(groups))))
+    wall = time.perf_counter() - t0
+    return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any]) -> None:
+    """Our sides on one engine (started once), into ``out``: ``alone`` first where asked, then ``async``, then
+    ``sync``."""
+    from transformers import AutoTokenizer
+
+    import asyncrl
+    from asyncrl.engines.vllm_local import VLLMEngine
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = task_prompts(args, tok, args.steps * args.batch_groups * 3)  # room for groups dropped as stale
+    t0 = time.perf_counter()
+    with engine_devices(args):
+        engine = await VLLMEngine.start(engine_config(args, model_dir))
+    out["engine_start_s"] = time.perf_counter() - t0
+    try:
+        t1 = time.perf_counter()
+        probe = prompts[-1]  # the first request pays one-off costs; its completions show the warm-started policy
+        first = await engine.generate(probe.token_ids, asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
+                                      "warm-up")
+        out["first_request"] = {"s": time.perf_counter() - t1, "expected_length": probe.answer,
+                                "lengths": [len(s.token_ids) for s in first],
+                                "rewards": [countdown.reward(s.text, probe.answer) for s in first]}
+        report()
+        for side in ("alone", "async", "sync"):
+            if side in args.sides and report.fits(side):
+                memory = watch(args)
+                if side == "alone":
+                    out[side] = await engine_alone(args, engine, prompts)
+                    await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
+                else:
+                    out[side] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory)
+                if "alone" in out and "async" in out:
+                    out["generation_limit_ratio"] = (out["async"]["generated_tokens_per_s"]
+                                                     / out["alone"]["tokens_per_s"])
+                report()
+    finally:
+        await engine.close()
+        free_gpu()
+
+
+# ------------------------------------------------------------------------------------------------------- TRL
+
+
+def trl_paths(args: argparse.Namespace) -> list[str]:
+    """TRL's wheels first, then whatever makes vLLM importable here (the GPU host's unpacked tree)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [*args.trl_path, *inherited, str(common.ROOT)]
+
+
+def trl_spec(args: argparse.Namespace, model_dir: Path, name: str) -> dict[str, Any]:
+    scale = task_scale(args)
+    problems = countdown.problems(args.seed, args.steps * args.batch_groups, max_len=scale["max_len"],
+                                  prompt_range=scale["prompt_range"])
+    return {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "gpu-workload" / "runs" / name),
+            "prompts": [p.prompt for p in problems], "answers": [str(p.length) for p in problems], "n": args.n,
+            "batch_groups": args.batch_groups, "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr,
+            "seed": args.seed, "fixed_length": False, "reward": "countdown", "use_vllm": True, "threads": None,
+            "bf16": not args.cpu_smoke, "micro_batch": args.n, "save_model": False,
+            "vllm_max_model_length": common.context_len(scale["prompt_range"][1] + args.max_tokens + 1),
+            "vllm_gpu_memory_utilization": args.trl_gpu_memory_utilization, "max_staleness": args.max_staleness}
+
+
+def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    if "error" in res or "train_s" not in res:
+        return res
+    per_step = args.batch_groups * args.n
+    lengths = [x or 0.0 for x in res.get("completion_length", [])]
+    marks = res.get("step_end_s") or [res["train_s"]] * res.get("steps", 0)
+    tokens = [length * per_step for length in lengths[: len(marks)]]
+    tokens += [0.0] * (len(marks) - len(tokens))
+    return {**res, **rates(marks, per_step, tokens, res["train_s"], args.skip_steps)}
+
+
+async def trl(args: argparse.Namespace, model_dir: Path, side: str, memory: MemoryWatch) -> dict[str, Any]:
+    from bench import trl_async_side, trl_side
+
+    spec = trl_spec(args, model_dir, side)
+    work = common.CACHE / "gpu-workload" / "runs"
+    with memory.watching():
+        if side == "trl_async":
+            server = ["--max-model-len", str(spec["vllm_max_model_length"]), "--max-num-seqs",
+                      str(args.max_num_seqs), "--seed", str(args.seed)]
+            server += [] if args.engine_compile else ["--compilation-config",
+                                                      '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}']
+            server += (["--dtype", "float32", "--enforce-eager"] if args.cpu_smoke else
+                       ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))])
+            res = await trl_async_side.launch(args.trl_python, spec, work, side, paths=trl_paths(args),
+                                              timeout=args.trl_timeout, server_gpu="1", trainer_gpu="0",
+                                              server_args=server)
+        else:
+            spec["vllm_sleep"] = side == "trl_sleep"
+            res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
+                                          paths=trl_paths(args), timeout=args.trl_timeout)
+    res = trl_rates(args, res)
+    res["gpu_peak_used_gib"] = list(memory.peak)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+class Report:
+    """Writes the result file after every side; says whether a side still fits before ``--deadline-s``."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str] | None) -> None:
+        self.args, self.t0 = args, time.perf_counter()
+        self.result = common.Result("gpu_workload", args, argv)
+        self.results: dict[str, Any] = {}
+        self.current: dict[str, Any] = {}
+        self.skipped: list[str] = []
+
+    def fits(self, side: str) -> bool:
+        if not self.args.deadline_s or time.perf_counter() - self.t0 + SIDE_NEEDS_S[side] < self.args.deadline_s:
+            return True
+        self.skipped.append(side)
+        print(f"skipping {side}: it would not end before --deadline-s {self.args.deadline_s:.0f}", flush=True)
+        return False
+
+    def __call__(self, _partial: Any = None) -> None:
+        summary = summarise(self.results)
+        suffix = "x2" if self.args.layout == "2gpu" and common.device_suffix() != "cpu" else ""
+        suffix += f"_{self.args.tag}" if self.args.tag else ""
+        self.result.write({"summary": summary, **self.results}, suffix=suffix, skipped=self.skipped)
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Ours over TRL's, per shape: samples/s (whole run and steady) for each pairing that ran."""
+    out: dict[str, Any] = {}
+    pairs = [("async", "trl"), ("async", "trl_sleep"), ("sync", "trl"), ("sync", "trl_sleep"),
+             ("async", "trl_async"), ("async", "sync")]
+    for shape, r in results.items():
+        mine = r.get("ours", {})
+        for a, b in pairs:
+            x, y = mine.get(a), mine.get(b) or r.get(b)
+            if not x or not y or "samples_per_s" not in x or "samples_per_s" not in y:
+                continue
+            key = f"{shape}/{a}_over_{b}"
+            out[key] = x["samples_per_s"] / y["samples_per_s"]
+            if "samples_per_s_steady" in x and "samples_per_s_steady" in y:
+                out[key + "_steady"] = x["samples_per_s_steady"] / y["samples_per_s_steady"]
+        if "generation_limit_ratio" in mine:
+            out[f"{shape}/generation_limit_ratio"] = mine["generation_limit_ratio"]
+    return out
+
+
+async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> None:
+    entry: dict[str, Any] = {}
+    report.results[shape] = entry
+    model_dir, entry["warm_start"] = prepare_model(args, shape)
+    print(f"[{shape}] {entry['warm_start']['params'] / 1e6:.0f}M params, warm start {entry['warm_start']}",
+          flush=True)
+    report()
+    if any(s in args.sides for s in ("alone", "async", "sync")):
+        entry["ours"] = {}
+        try:
+            await ours(args, model_dir, report, entry["ours"])
+        except Exception as exc:  # recorded; TRL's sides still run
+            log.exception("our side failed")
+            entry["ours"]["error"] = f"{type(exc).__name__}: {exc}"
+            report()
+        for side in ("alone", "async", "sync"):
+            r = entry["ours"].get(side)
+            if r:
+                print(f"[{shape}] ours {side}: {describe(r)}", flush=True)
+    for side in ("trl", "trl_sleep", "trl_async"):
+        if side in args.sides and report.fits(side):
+            try:
+                entry[side] = await trl(args, model_dir, side, watch(args))
+            except Exception as exc:
+                log.exception("%s failed", side)
+                entry[side] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{shape}] {side}: {describe(entry[side])}", flush=True)
+            report()
+
+
+def describe(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"failed: {r['error'][:300]}"
+    if "tokens_per_s" in r:
+        return f"{r['tokens_per_s']:.0f} tokens/s alone"
+    return (f"{r['samples']} samples in {r['wall_s']:.1f}s = {r['samples_per_s']:.1f}/s "
+            f"(steady {r.get('samples_per_s_steady', float('nan')):.1f}/s), "
+            f"{r['completion_tokens_per_s']:.0f} completion tokens/s, mean length {r['completion_len_mean']:.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.set_env()
+    logging.basicConfig(level=logging.WARNING)
+    import asyncrl
+
+    report = Report(args, argv)
+    for shape in args.shapes.split(","):
+        asyncrl.run(run_shape(args, shape, report))
+    report()
+    print("summary:", {k: round(v, 3) for k, v in summarise(report.results).items()}, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
