@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-steps", type=int, default=50, help="steps of the asynchronous run (0.5B shape)")
     p.add_argument("--transfer", choices=("nccl", "files"), default="nccl")
     p.add_argument("--learner-only", action="store_true", help="only the learner tokens/s (no vLLM needed)")
+    p.add_argument("--skip-learner", action="store_true", help="only the publications and the run (the learner "
+                   "tokens/s come from an earlier --learner-only result)")
     p.add_argument("--bucket-mib", type=float, default=256)
     p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "asyncrl-shapes")
     args = p.parse_args(argv)
@@ -102,11 +104,12 @@ def drive(args: argparse.Namespace) -> None:
     first, second = ("tiny", "tiny") if args.cpu_smoke else ("qwen2-0.5b", "qwen2-1.5b")
     small, large = build(first, args.models), build(second, args.models)
     out: dict[str, Any] = {"shapes": {first: common.param_count(small), second: common.param_count(large)}}
-    learner = {r: torchrun(args, r, "learner", small, 240) for r in (1, 2)}
-    out["learner"] = {**{f"ranks_{r}": v for r, v in learner.items()},
-                      "speedup_2_vs_1": learner[2]["tokens_per_s"] / learner[1]["tokens_per_s"]}
-    print(f"learner tokens/s: 1 rank {learner[1]['tokens_per_s']:.0f}, 2 ranks {learner[2]['tokens_per_s']:.0f}",
-          flush=True)
+    if not args.skip_learner:
+        learner = {r: torchrun(args, r, "learner", small, 240) for r in (1, 2)}
+        out["learner"] = {**{f"ranks_{r}": v for r, v in learner.items()},
+                          "speedup_2_vs_1": learner[2]["tokens_per_s"] / learner[1]["tokens_per_s"]}
+        print(f"learner tokens/s: 1 rank {learner[1]['tokens_per_s']:.0f}, 2 ranks "
+              f"{learner[2]['tokens_per_s']:.0f}", flush=True)
     if args.learner_only:
         result.write(out, suffix=_suffix())
         return
