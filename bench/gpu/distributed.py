@@ -87,7 +87,8 @@ def torchrun(args: argparse.Namespace, ranks: int, worker: str, model_dir: Path,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--monitor-interval", "0.5",
            "-m", "bench.gpu.distributed", *own, *(["--cpu-smoke"] if args.cpu_smoke else []),
            "--worker", worker, "--model-dir", str(model_dir), "--result", str(result)]
-    env = {**os.environ, "PYTHONPATH": str(common.ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+    path = os.pathsep.join(p for p in (str(common.ROOT), os.environ.get("PYTHONPATH")) if p)  # keep the host's
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=common.ROOT, timeout=limit_s, capture_output=True, text=True)
     if done.returncode != 0:
