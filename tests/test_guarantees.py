@@ -193,18 +193,46 @@ def test_staged_weights_are_removed_by_their_last_holder(tmp_path):
     assert not second.path.exists()
 
 
-async def test_a_cancelled_stage_removes_its_directory(tmp_path):
-    manifest = {"w": weights.ParamSpec((1024, 1024), "F32")}
-    task = asyncio.create_task(weights.validate_and_stage({"w": torch.ones(1024, 1024)}, manifest, torch.float32,
+@pytest.mark.parametrize("cut_after_s", [0.0, 0.005, 0.02, 0.05])
+async def test_a_cancelled_stage_leaves_no_directory_once_the_cancellation_is_through(tmp_path, cut_after_s):
+    manifest = {"w": weights.ParamSpec((8192, 4096), "F32")}  # 128 MiB: validating and writing take a while
+    task = asyncio.create_task(weights.validate_and_stage({"w": torch.ones(8192, 4096)}, manifest, torch.float32,
                                                           tmp_path))
-    await asyncio.sleep(0)
+    await asyncio.sleep(cut_after_s)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    deadline = time.monotonic() + 10
-    while list(tmp_path.iterdir()) and time.monotonic() < deadline:  # the writing thread finishes first
-        await asyncio.sleep(0.01)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # no waiting: the cancellation came through after the cleanup
+
+
+class StagingFake(FakeEngine):
+    """Counts its staged copies; ``slow`` members take a while to prepare."""
+
+    def __init__(self, name: str, slow_s: float = 0.0) -> None:
+        super().__init__(name=name)
+        self.slow_s, self.held = slow_s, 0
+
+    async def prepare(self, update):
+        await asyncio.sleep(self.slow_s)
+        self.held += 1
+        return update
+
+    def release(self, update) -> None:
+        self.held -= 1
+
+
+@pytest.mark.parametrize("cut_after_s", [0.0, 0.01, 0.03])
+async def test_a_pool_cancelled_while_preparing_lets_go_of_every_members_staging(cut_after_s):
+    from asyncrl.engines.pool import EnginePool
+
+    members = [StagingFake("a"), StagingFake("b", 0.02), StagingFake("c", 0.5)]
+    pool = EnginePool(members)
+    clock = VersionClock(0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(WeightSync(pool, clock, SyncConfig()).publish({"w": torch.ones(2)}), cut_after_s)
+    assert [m.held for m in members] == [0, 0, 0]
+    assert clock.served == 0 and all(m.version == 0 for m in members)
 
 
 # -- 7. a checkpoint during an overlapped publication records the exact version ---------------------------------

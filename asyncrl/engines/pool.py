@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from asyncrl.aio import settle
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
@@ -121,17 +122,24 @@ class EnginePool:
         self._raise_failures("pause", failures)
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
-        """Stage once on the first live member, then let the others adopt (or redo) that staging."""
+        """Stage once on the first live member, then let the others adopt (or redo) that staging. On any
+        failure or cancellation every member that did prepare lets go of its staging before it propagates."""
         live = [m for m in self._members if m.alive]
         if not live:
             raise EngineError(self.name, "no engine left in rotation")
         first = await self._prepare_on(live[0], update)
-        results = await asyncio.gather(*(self._prepare_on(m, first) for m in live[1:]), return_exceptions=True)
-        prepared = [(live[0], first)] + [(m, r) for m, r in zip(live[1:], results) if isinstance(r, WeightUpdate)]
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:  # every member that did prepare lets go of its staging
-            for member, own in prepared:
-                member.engine.release(own)
+        jobs = [asyncio.ensure_future(self._prepare_on(m, first)) for m in live[1:]]
+        failed: BaseException | None = asyncio.CancelledError()  # until every member is known prepared
+        try:  # settle: a cancellation waits for the members' staging, so it can be let go of below
+            await settle(asyncio.gather(*jobs, return_exceptions=True), "preparing the pool's members")
+            failed = next((j.exception() for j in jobs if j.exception() is not None), None)
+        finally:
+            prepared = [(live[0], first)] + [(m, j.result()) for m, j in zip(live[1:], jobs)
+                                              if j.done() and not j.cancelled() and j.exception() is None]
+            if failed is not None:  # every member that did prepare lets go of its staging
+                for member, own in prepared:
+                    member.engine.release(own)
+        if failed is not None:
             raise failed
         self._prepared[update.version] = prepared
         return first

@@ -166,27 +166,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _Abandoned(Exception):
+    """The caller was cancelled before the write began: nothing was written."""
+
+
 def _validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
-                        dtype: torch.dtype, root: Path | None) -> StagedWeights:
+                        dtype: torch.dtype, root: Path | None, abandon: threading.Event) -> StagedWeights:
     validate_update(tensors, manifest)
+    if abandon.is_set():
+        raise _Abandoned
     return stage(tensors, dtype, root)
 
 
 async def validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, ParamSpec],
                              dtype: torch.dtype, root: Path | None = None) -> StagedWeights:
     """``validate_update`` and ``stage``, both in a worker thread. Raises ``WeightUpdateError`` for a bad
-    update. If the caller is cancelled meanwhile, the directory is removed once the write is done."""
-    job = asyncio.ensure_future(asyncio.to_thread(_validate_and_stage, tensors, manifest, dtype, root))
+    update. A cancelled caller skips the write if it has not begun, else waits for it and removes the directory
+    before the cancellation comes through, so no staging directory outlives a cancelled call (the delay is at
+    most the rest of one validation or write)."""
+    abandon = threading.Event()
+    job = asyncio.ensure_future(asyncio.to_thread(_validate_and_stage, tensors, manifest, dtype, root, abandon))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        job.add_done_callback(_release_staged)
+        abandon.set()
+        await _release_when_done(job)
         raise
 
 
-def _release_staged(done: asyncio.Future[StagedWeights]) -> None:
-    if not done.cancelled() and done.exception() is None:
-        done.result().release()
+async def _release_when_done(job: asyncio.Future[StagedWeights]) -> None:
+    """Wait for the worker thread (a thread cannot be interrupted) and drop what it wrote."""
+    while not job.done():
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            continue  # cancelled again: the cleanup still has to finish
+        except BaseException:
+            break
+    if not job.cancelled() and job.exception() is None:
+        job.result().release()
 
 
 def state_dict_for_engine(model: torch.nn.Module) -> dict[str, torch.Tensor]:
