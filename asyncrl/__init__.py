@@ -12,7 +12,7 @@ from asyncrl.config import (
 from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
 from asyncrl.errors import (
-    ConfigError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected, QueueClosed,
+    ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected, QueueClosed,
     RolloutDropped, WeightUpdateError,
 )
 from asyncrl.episodes import Env, EnvFactory, Episode, StepResult, ToolBox, ToolCall, ToolEnv
@@ -28,7 +28,7 @@ from asyncrl.versions import VersionClock
 __version__ = "0.2.0"
 
 __all__ = [
-    "AbortPolicy", "ConfigError", "DropReason", "EndOfRollouts", "EngineError", "Env", "EnvFactory", "Episode",
+    "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env", "EnvFactory", "Episode",
     "EpisodeConfig", "FinishReason", "GroupCounters",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",

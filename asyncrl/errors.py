@@ -45,6 +45,10 @@ class WeightUpdateError(RuntimeError):
     its version did not change."""
 
 
+class DistributedError(RuntimeError):
+    """A learner rank failed, left, or stopped answering; the message names the rank and what it was doing."""
+
+
 class QueueClosed(Exception):
     """The rollout queue's receiving end was closed: no more groups are accepted."""
 

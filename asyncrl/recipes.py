@@ -9,11 +9,12 @@ import torch
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.producer import Producer
 from asyncrl.actors.rewards import RewardFn
+from asyncrl.actors.training import TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
 from asyncrl.config import ConfigError, PipelineConfig
 from asyncrl.data import PromptSource
-from asyncrl.engines.protocols import Engine
+from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.episodes.types import EnvFactory
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
@@ -22,21 +23,29 @@ from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
 
 
-def grpo_pipeline(engine: Engine, model: torch.nn.Module, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
+def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
                   PromptSource, reward_fn: RewardFn | None, config: PipelineConfig | None = None, *,
                   loss: Loss | None = None, loss_config: LossConfig | None = None, pad_id: int = 0,
                   ref_model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                   monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
-                  env: EnvFactory | None = None) -> Pipeline:
+                  env: EnvFactory | None = None, backend: TrainingBackend | None = None,
+                  target: WeightTarget | None = None) -> Pipeline:
     """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on groups sampled from ``engine``.
 
     The version clock starts at the engine's version. ``step`` continues a run restored from a checkpoint;
     ``prompts`` may be a ``PromptSource`` already positioned at the checkpoint's cursor. With ``env`` every
     group is ``n`` multi-turn episodes (``asyncrl.episodes``), rewarded by the environment plus ``reward_fn``
     over the whole trajectory if one is given.
+
+    With ``backend`` (e.g. ``asyncrl.distributed.FSDPBackend``) the learner trains through it, and ``model``,
+    the loss arguments and ``optimizer`` must be left out: the backend owns them. ``target`` is what
+    publications go to (default: ``engine``; e.g. a ``PrestagedTarget`` in front of an ``EnginePool``).
     """
     config = config or PipelineConfig()
-    if loss is None:
+    if backend is not None:
+        _check_backend_alone(model, loss, loss_config, optimizer, ref_model)
+        loss = backend.loss
+    elif loss is None:
         cfg = loss_config or LossConfig(temperature=config.producer.sampling.temperature)
         loss = GRPOLoss(cfg, pad_id=pad_id, ref_model=ref_model)
     check_group_size(loss, config)
@@ -47,11 +56,22 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module, prompts: Iterable[Prom
         producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer,
                               group_counters=receiver.counters, name=f"producer-{i}", env=env)
                      for i in range(config.num_producers)]
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
-                                               weight_decay=config.learner.weight_decay)
-    learner = Learner(model, optimizer, loss, receiver, WeightSync(engine, clock, config.learner.sync),
-                      config.learner, monitor=monitor, step=step)
+    sync = WeightSync(target or engine, clock, config.learner.sync)
+    if backend is not None:
+        learner = Learner(None, None, None, receiver, sync, config.learner, monitor=monitor, step=step,
+                          backend=backend)
+    else:
+        optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
+                                                   weight_decay=config.learner.weight_decay)
+        learner = Learner(model, optimizer, loss, receiver, sync, config.learner, monitor=monitor, step=step)
     return Pipeline(engine, producers, learner, config, close_engine=close_engine)
+
+
+def _check_backend_alone(model: object, *owned_by_backend: object) -> None:
+    if model is not None or any(x is not None for x in owned_by_backend):
+        raise ConfigError("grpo_pipeline.backend", "the backend owns the model, loss and optimiser: pass "
+                                                   "model=None and leave loss, loss_config, optimizer and "
+                                                   "ref_model out")
 
 
 def check_group_size(loss: Loss, config: PipelineConfig) -> None:

@@ -18,28 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, report_scale
+from bench.report_util import ms, num, pct, table
 
 DOC = common.ROOT / "docs" / "BENCHMARKS.md"
 README = common.ROOT / "README.md"
-Rows = list[list[str]]
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:.1f}%"
-
-
-def num(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
-
-
-def ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.1f} ms"
-
-
-def table(head: list[str], rows: Rows) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def results_of(doc: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +66,8 @@ def engine_limit(r: dict[str, Any]) -> list[str]:
             ["pairs", ", ".join(num(x, 3) for x in r["pair_ratios"]), ""],
             ["raw engine tokens/s", num(r["raw_tokens_per_s"], 0), ""],
             ["pipeline tokens/s", num(r["pipe_tokens_per_s"], 0), ""]]
-    for key, label in (("main_cpu_us_per_token", "main process CPU per token"),):
+    for key, label in (("main_cpu_us_per_token_raw", "main process CPU per token, bare engine (vLLM defaults)"),
+                       ("main_cpu_us_per_token", "main process CPU per token, whole producer path")):
         if key in r:
             rows.append([label, f"{num(r[key], 1)} µs", ""])
     return table(["figure", "value", "target"], rows)
@@ -148,6 +132,7 @@ FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = 
     "weight_sync": ("Weight sync", "Time generation is paused per publication, against the engine's own reload "
                     "floor.", weight_sync),
     "vs_trl": ("Against TRL", "Trained samples/s side by side in one run.", vs_trl),
+    **report_scale.FORMATTERS,
 }
 
 
@@ -163,7 +148,25 @@ def section(path: Path) -> list[str]:
     meta = (f"`{doc.get('command', '?')}` · {machine} · load {num(load[0], 1)} -> {num(load[1], 1)} · "
             f"{str(doc.get('date', '?'))[:10]} · vLLM {v.get('vllm')}, torch {v.get('torch')}"
             + (f" · commit {doc['commit'][:8]}" if doc.get("commit") else ""))
-    return [f"## {title}: `{path.relative_to(common.ROOT)}`", "", what, "", meta, "", *fmt(results_of(doc)), ""]
+    return [f"## {title}: `{path.relative_to(common.ROOT)}`", "", what, "", meta, "", *fmt(results_of(doc)),
+            *repeat_line(name, path), ""]
+
+
+# The benchmarks run twice (the first run's file under results/repeats/): the headline of the other run.
+REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "engine_limit": lambda r: f"ratio **{num(r['ratio'], 3)}** (pairs {', '.join(num(x, 3) for x in r['pair_ratios'])})",
+    "queue_micro": lambda r: f"**{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 **{num(r['p99_ms'], 3)} ms**",
+}
+
+
+def repeat_line(name: str, path: Path) -> list[str]:
+    other = path.parent / "repeats" / path.name
+    if name not in REPEATS or not other.is_file():
+        return []
+    doc = json.loads(other.read_text())
+    load = doc["hardware"].get("loadavg_at_start", [None])[0], doc["hardware"].get("loadavg_at_end", [None])[0]
+    return ["", f"The same command run just before (`{other.relative_to(common.ROOT)}`, {str(doc['date'])[:16]}, "
+                f"load {num(load[0], 1)} -> {num(load[1], 1)}): {REPEATS[name](results_of(doc))}."]
 
 
 def render(results_dir: Path = common.RESULTS) -> str:

@@ -48,6 +48,20 @@ def set_env_defaults(cache: Path | None = None) -> None:
         os.environ.setdefault(key, value)
 
 
+def start_cli(verbose: bool, torch_threads: int) -> None:
+    """What every example's command line does first: environment, logging, quiet progress bars, threads."""
+    if not verbose:  # vLLM's per-sync layerwise-reload warnings would bury the progress bar
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    set_env_defaults()
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(max(1, torch_threads))
+
+
 # --------------------------------------------------------------------------------------------------- tasks
 
 

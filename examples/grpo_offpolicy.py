@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -271,19 +270,9 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
 
 def cli(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.verbose:  # vLLM's per-sync layerwise-reload warnings would bury the progress bar
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-    common.set_env_defaults()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-    import transformers
-
+    common.start_cli(args.verbose, args.torch_threads)
     import asyncrl
 
-    transformers.utils.logging.disable_progress_bar()
-
-    torch.set_num_threads(max(1, args.torch_threads))
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     task = load_task(args)

@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -398,18 +397,9 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
 
 def cli(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.verbose:
-        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-    common.set_env_defaults()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import torch
-    import transformers
-
+    common.start_cli(args.verbose, args.torch_threads)
     import asyncrl
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(max(1, args.torch_threads))
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     task = multiplication_task(n_held_out=args.held_out, seed=args.seed)

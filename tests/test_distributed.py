@@ -199,5 +199,5 @@ def test_a_failure_on_rank_zero_stops_the_other_ranks_with_its_reason(tiny_model
                      "--servers", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     out = done.stdout + done.stderr
     assert done.returncode != 0 and time.monotonic() - t0 < 60
-    assert "[rank1]: asyncrl.distributed.ranks.DistributedError: rank 0 stopped the run: rank 0 failed: " \
+    assert "[rank1]: asyncrl.errors.DistributedError: rank 0 stopped the run: rank 0 failed: " \
            "EngineError" in out, out[-3000:]

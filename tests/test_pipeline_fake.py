@@ -95,6 +95,38 @@ async def test_run_trains_and_accounts_for_every_group():
     assert engine.weights, "the learner's weights were published"
 
 
+class CountingBackend:
+    """``LocalBackend`` that counts its steps: proves the learner trained through the backend it was given."""
+
+    def __init__(self, cfg: LearnerConfig) -> None:
+        from asyncrl.actors.training import LocalBackend
+
+        model = tiny_model()
+        self.inner = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-3), RecordingLoss(), cfg)
+        self.loss, self.model, self.optimizer, self.steps = self.inner.loss, model, self.inner.optimizer, 0
+
+    def train_step(self, batch, step):
+        self.steps += 1
+        return self.inner.train_step(batch, step)
+
+    def __getattr__(self, name):  # publication_state, snapshot, release
+        return getattr(self.inner, name)
+
+
+async def test_grpo_pipeline_trains_through_a_given_backend():
+    engine, cfg = FakeEngine(), config()
+    backend = CountingBackend(cfg.learner)
+    pipe = grpo_pipeline(engine, None, prompts(100), lambda p, s: 1.0, cfg, backend=backend)
+    stats = await pipe.run(steps=3)
+    assert backend.steps == 3 and stats.version == 3 and stats.unaccounted == 0
+    assert torch.equal(engine.weights["weight"], backend.model.weight.detach())
+
+
+def test_grpo_pipeline_refuses_a_model_beside_a_backend():
+    with pytest.raises(ConfigError, match="grpo_pipeline.backend: the backend owns the model"):
+        grpo_pipeline(FakeEngine(), tiny_model(), prompts(1), None, config(), backend=CountingBackend(LearnerConfig()))
+
+
 async def test_stale_groups_never_reach_the_loss_and_are_counted():
     engine = FakeEngine(token_delay_s=0.001)
     pipe = make_pipeline(engine, prompts(1000), config(max_staleness=0, capacity=8, batch=2, inflight=8))

@@ -26,12 +26,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from asyncrl.errors import DistributedError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class DistributedError(RuntimeError):
-    """A rank failed, left, or stopped answering; the message names this rank and what it was doing."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,22 +19,17 @@ import threading
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from asyncrl.actors.learner import Learner
-from asyncrl.actors.producer import Producer
 from asyncrl.actors.rewards import RewardFn
-from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.config import PipelineConfig
-from asyncrl.data import PromptSource
 from asyncrl.distributed.fsdp import FSDPBackend
 from asyncrl.distributed.ranks import RankContext, close_ranks, init_ranks
 from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
-from asyncrl.queues.rollout_queue import create_rollout_queue
-from asyncrl.recipes import check_group_size
+from asyncrl.data import PromptSource
+from asyncrl.recipes import grpo_pipeline
 from asyncrl.runtime import run
 from asyncrl.types import Prompt
-from asyncrl.versions import VersionClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,19 +42,8 @@ def sharded_pipeline(engine: Engine, backend: FSDPBackend, prompts: Iterable[Pro
                      close_engine: bool = True) -> Pipeline:
     """Rank 0: a ``Pipeline`` whose learner trains through ``backend`` (its loss, model and optimiser) on groups
     sampled from ``engine``, publishing through ``target`` (default: ``engine``)."""
-    config = config or PipelineConfig()
-    check_group_size(backend.loss, config)
-    source = prompts if isinstance(prompts, PromptSource) else PromptSource(prompts)
-    clock = VersionClock(engine.version)
-    sender, receiver = create_rollout_queue(config.queue, clock)
-    with sender:  # each producer holds a clone; the queue ends when the last producer's closes
-        producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer,
-                              group_counters=receiver.counters, name=f"producer-{i}")
-                     for i in range(config.num_producers)]
-    sync = WeightSync(target or engine, clock, config.learner.sync)
-    learner = Learner(None, None, None, receiver, sync, config.learner, monitor=monitor, step=step,
-                      backend=backend)
-    return Pipeline(engine, producers, learner, config, close_engine=close_engine)
+    return grpo_pipeline(engine, None, prompts, reward_fn, config, backend=backend, target=target,
+                         monitor=monitor, step=step, close_engine=close_engine)
 
 
 def run_ranks(setup: Callable[[RankContext], FSDPBackend],

@@ -1,0 +1,95 @@
+"""Formatters for the scale-out, GPU-workload and multi-turn result files (the rest of ``bench.report``'s
+sections): one function per benchmark, each turning a file's ``results`` into Markdown lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report_util import ms, num, pct, table
+
+
+def distributed(r: dict[str, Any]) -> list[str]:
+    learner = r.get("learner", {})
+    rows = [[str(x["ranks"]), num(x["step_s"], 3), num(x["tokens_per_step"], 0), f"**{num(x['tokens_per_s'], 0)}**"]
+            for k, x in sorted(learner.items()) if k.startswith("ranks_")]
+    lines = table(["ranks", "step s", "tokens/step", "learner tokens/s"], rows)
+    if "speedup_2_vs_1" in learner:
+        lines += ["", f"2 ranks over 1: **{num(learner['speedup_2_vs_1'])}x** (goal 1.8x)."]
+    if "publication" in r:
+        lines += ["", f"Publication: {r['publication']}"]
+    return lines
+
+
+def scaling_sim(r: dict[str, Any]) -> list[str]:
+    ingest = [[str(x["servers"]), str(x["producers"]), num(x["groups_per_s"], 0), num(x["tokens_per_s"], 0),
+               pct(x["paused_frac"])] for x in r["ingest"]]
+    fan = [[str(x["servers"]), num(x["payload_mib"], 0), ms(x["pause_s_median"]), ms(x["transfer_s_median"]),
+            ms(x["resume_s_median"]), f"**{ms(x['total_s_median'])}**"] for x in r["fan_out"]]
+    return (table(["servers", "producers", "groups/s into the queue", "tokens/s", "time paused"], ingest) + [""]
+            + table(["servers", "payload MiB", "pause", "transfer", "resume", "paused in all (median)"], fan)
+            + ["", str(r.get("notes", ""))])
+
+
+_SIDES = (("ours", "async", "ours, async (colocated)"), ("ours", "sync", "ours, sync"),
+          ("trl", None, "TRL GRPOTrainer, vLLM colocate"), ("trl_sleep", None, "TRL, vLLM colocate + sleep mode"))
+
+
+def gpu_workload(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for shape, x in r.items():
+        if shape == "summary" or not isinstance(x, dict):
+            continue
+        rows = []
+        for key, sub, label in _SIDES:
+            side = x.get(key, {}).get(sub) if sub else x.get(key)
+            if side:
+                rows.append([label, f"**{num(side['samples_per_s'], 1)}**", num(side.get("samples_per_s_steady"), 1),
+                             num(side["completion_tokens_per_s"], 0), num(side["completion_len_mean"], 0),
+                             num(sum(side["rewards"]) / len(side["rewards"]), 3)])
+        lines += [f"**{shape}** ({num(x['warm_start'].get('params', 0) / 1e6, 0)}M parameters)", ""]
+        lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
+                        "mean reward"], rows) + [""]
+    ratios = ", ".join(f"{k.split('/')[-1]} {num(v)}x" for k, v in r.get("summary", {}).items()
+                       if not k.endswith("_steady"))
+    return lines + [f"Ratios (whole run): {ratios}."]
+
+
+def sleep_mode(r: dict[str, Any]) -> list[str]:
+    rows = [[str(x["level"]), num(x["kv_cache_gib"], 1), num(x["freed_gib"], 2), ms(x["sleep_s"]),
+             ms(x["wake_and_update_s"]), ms(x["update_paused_s"])] for x in r.values()]
+    return table(["level", "KV cache GiB", "GPU memory freed GiB", "sleep", "wake + update", "update paused"], rows)
+
+
+def startup(r: dict[str, Any]) -> list[str]:
+    keys = ("import_s", "spawn_s", "load_s", "compile_total_s", "graph_capture_s", "profile_kv_warmup_s",
+            "init_engine_s", "start_s")
+    rows = [[f"{x['variant']} ({x['cache']} cache)"] + [num(x.get(k), 1) for k in keys]
+            + [num(x.get("decode_tokens_per_s"), 0)] for x in r["runs"]]
+    return table(["variant", "import", "spawn", "load", "compile", "graphs", "profile+KV", "init engine",
+                  "**start s**", "decode tokens/s"], rows)
+
+
+def tool_use(r: dict[str, Any]) -> list[str]:
+    rows = [[str(x["seed"]), pct(x["accuracy_before"]), f"**{pct(x['accuracy_after'])}**", pct(x["tool_rate_before"]),
+             pct(x["tool_rate_after"]), num(x["rl_wall_s"], 0)] for x in r["runs"]]
+    s = r["summary"]
+    return table(["seed", "accuracy before", "after", "tool-call rate before", "after", "RL s"], rows) + [
+        "", f"Mean over {len(rows)} seeds: accuracy {pct(s['accuracy_before']['mean'])} -> "
+            f"**{pct(s['accuracy_after']['mean'])}** (min {pct(s['accuracy_after']['min'])}), tool-call rate "
+            f"{pct(s['tool_rate_before']['mean'])} -> {pct(s['tool_rate_after']['mean'])}."]
+
+
+FORMATTERS = {
+    "distributed": ("FSDP2 learner across ranks", "Learner tokens/s on 1 and 2 ranks (torchrun, FSDP2, bf16).",
+                    distributed),
+    "scaling_sim": ("Scale-out simulation", "Fake engines in Ray actors: ingest into one learner, and the "
+                    "publication fan-out as servers are added.", scaling_sim),
+    "gpu_workload": ("GPU workload: long-tailed completions against TRL", "Trained samples/s at equal samples, "
+                     "side by side in one run.", gpu_workload),
+    "sleep": ("Sleep mode", "vLLM sleep levels 1 and 2 on the GPU test model: memory freed, sleep, wake with a "
+              "weight update, and the log-prob parity check passed.", sleep_mode),
+    "startup_probe": ("Engine start-up on the GPU", "Where an engine start's seconds go, per variant (seconds).",
+                      startup),
+    "tool_use": ("Multi-turn tool use", "examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
+                 "before and after RL.", tool_use),
+}
