@@ -204,6 +204,18 @@ def demo_block(results_dir: Path) -> str:
             f"({source}).")
 
 
+def tool_use_block(results_dir: Path) -> str:
+    loaded = _load(results_dir, "tool_use_cpu")
+    if loaded is None:
+        return "(no tool_use result yet: `python -m bench.tool_use`)"
+    r, source = loaded
+    s = r["summary"]
+    return (f"Warm-started briefly, the calculator example learns to call its tool: held-out accuracy "
+            f"**{pct(s['accuracy_before']['mean'])} -> {pct(s['accuracy_after']['mean'])}** (minimum after "
+            f"{pct(s['accuracy_after']['min'])}), tool-call rate {pct(s['tool_rate_before']['mean'])} -> "
+            f"{pct(s['tool_rate_after']['mean'])}, means over {len(r['runs'])} seeds ({source}).")
+
+
 def headline_block(results_dir: Path) -> str:
     lines = []
     if (x := _load(results_dir, "engine_limit_cpu")) is not None:
@@ -231,7 +243,8 @@ def headline_block(results_dir: Path) -> str:
 
 
 def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:
-    for name, block in (("demo", demo_block(results_dir)), ("headline", headline_block(results_dir))):
+    for name, block in (("demo", demo_block(results_dir)), ("tool_use", tool_use_block(results_dir)),
+                        ("headline", headline_block(results_dir))):
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)
         _, _, tail = rest.partition(end)
