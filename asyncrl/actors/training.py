@@ -17,12 +17,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from asyncrl.algorithms.losses import Loss, SkipsInertGroups
-from asyncrl.config import LearnerConfig
+from asyncrl.algorithms.rows import packed_scoring
+from asyncrl.config import ConfigError, LearnerConfig
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import RolloutGroup
 
 __all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
-           "is_inert", "precision"]
+           "forward_tokens", "is_inert", "precision", "prepare_model"]
 
 
 @runtime_checkable
@@ -72,15 +73,15 @@ def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
 
 
 def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,
-               active_groups: int, autocast: str | None) -> tuple[float, dict[str, float]]:
+               active_groups: int, autocast: str | None, packing: bool = False) -> tuple[float, dict[str, float]]:
     """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
     over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
-    up to the batch's."""
+    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows."""
     batch_loss = 0.0
     sums: dict[str, float] = {}
     for chunk in parts:
-        with precision(model, autocast):
+        with precision(model, autocast), packed_scoring(packing):
             out = loss.compute(model, chunk.groups)
         scale = out.num_tokens / total_tokens if chunk.real else 0.0
         weighted = out.loss * scale
@@ -140,17 +141,43 @@ def batch_gauges(batch: Sequence[RolloutGroup], active: int, scored: int,
     return gauges
 
 
-def chunks(batch: Sequence[RolloutGroup], max_rollouts: int) -> list[list[RolloutGroup]]:
-    """Split whole groups into micro-batches of at most ``max_rollouts`` rollouts (at least one group)."""
+def forward_tokens(group: RolloutGroup) -> int:
+    """Tokens a group puts through the forward pass: its prompt once per rollout, plus every completion."""
+    return sum(len(group.prompt.token_ids) + len(r.sample.token_ids) for r in group.rollouts)
+
+
+def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
+           max_tokens: int | None = None) -> list[list[RolloutGroup]]:
+    """Split whole groups into micro-batches of at most ``max_rollouts`` rollouts or, when ``max_tokens`` is
+    given, at most that many forward tokens (``forward_tokens``) instead. Each holds at least one group, so a
+    group over the limit goes alone: groups are never split (the loss needs a whole group for its baseline)."""
+    def size(group: RolloutGroup) -> int:
+        return len(group.rollouts) if max_tokens is None else forward_tokens(group)
+
+    limit = max_rollouts if max_tokens is None else max_tokens
     out: list[list[RolloutGroup]] = [[]]
     count = 0
     for group in batch:
-        if out[-1] and count + len(group.rollouts) > max_rollouts:
+        if out[-1] and count + size(group) > limit:
             out.append([])
             count = 0
         out[-1].append(group)
-        count += len(group.rollouts)
+        count += size(group)
     return out
+
+
+def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
+    """Apply the learner's model-level settings: gradient checkpointing (activations of each block are dropped
+    after the forward and recomputed in the backward, trading about a third more compute for memory)."""
+    if not config.gradient_checkpointing:
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ConfigError("LearnerConfig.gradient_checkpointing",
+                          f"needs a model with gradient_checkpointing_enable() (a transformers model), "
+                          f"got {type(model).__name__}")
+    # Non-reentrant: needs no input that requires grad, and recomputes correctly under FSDP2.
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class LocalBackend:
@@ -162,6 +189,7 @@ class LocalBackend:
         self.optimizer = optimizer
         self.loss = loss
         self.config = config
+        prepare_model(model, config)
 
     def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
         cfg = self.config
@@ -170,9 +198,9 @@ class LocalBackend:
         # Inert groups still count in the token normaliser, so the step equals one over the whole batch.
         total_tokens = sum(g.num_tokens for g in batch) or 1
         active = [g for g in batch if not is_inert(self.loss, cfg, g)]
-        parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts)] if active else []
+        parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts, cfg.micro_batch_tokens)] if active else []
         batch_loss, sums = accumulate(self.model, self.loss, parts, total_tokens=total_tokens,
-                                      active_groups=len(active), autocast=cfg.autocast)
+                                      active_groups=len(active), autocast=cfg.autocast, packing=cfg.packing)
         if not active:
             zero_grads(self.model)
         grad_norm = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, step)

@@ -3,6 +3,7 @@
 from asyncrl.algorithms.advantages import group_advantages
 from asyncrl.algorithms.logprobs import CompletionLogprobs, completion_logprobs
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig, LossOutput, k3, policy_loss
+from asyncrl.algorithms.rows import packed_scoring
 
 __all__ = [
     "CompletionLogprobs",
@@ -13,5 +14,6 @@ __all__ = [
     "completion_logprobs",
     "group_advantages",
     "k3",
+    "packed_scoring",
     "policy_loss",
 ]

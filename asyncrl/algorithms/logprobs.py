@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncrl.algorithms.rows import packed_rows, packing_enabled, padded_rows
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionLogprobs:
@@ -17,18 +19,6 @@ class CompletionLogprobs:
     logprobs: Tensor  # [B, T] float32 log-prob (nats) of each completion token under logits / T; 0 where masked
     entropy: Tensor | None  # [B, T] float32 entropy (nats) of the same tempered distribution; None unless asked
     mask: Tensor  # [B, T] float32: 1 for a completion token that is trained on, 0 for padding (and env tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """Prompt + completion rows, right-padded so every row starts at position 0."""
-
-    input_ids: Tensor  # [B, L] long, padded with ``pad_id``
-    attention_mask: Tensor  # [B, L] long, 1 on real tokens
-    position_ids: Tensor  # [B, L] long, 0..L-1 in every row (real tokens are left-aligned)
-    score_at: Tensor  # [B, T] long: index whose logits predict each completion token (0 at padding)
-    targets: Tensor  # [B, T] long: the completion tokens, padded with ``pad_id``
-    mask: Tensor  # [B, T] float32, 1 for a real completion token
 
 
 def completion_logprobs(
@@ -40,6 +30,7 @@ def completion_logprobs(
     pad_id: int = 0,
     with_entropy: bool = False,
     loss_masks: Sequence[Sequence[int] | None] | None = None,
+    packed: bool | None = None,
 ) -> CompletionLogprobs:
     """Log-prob of every completion token given its prompt and the completion tokens before it.
 
@@ -52,43 +43,27 @@ def completion_logprobs(
     positions are the ones it would get alone: the result matches scoring every row on its own (up to
     float rounding). Logits are divided by ``temperature`` and normalised in float32, which is what the
     sampler's behaviour log-probs are measured under. Gradients flow unless the caller disables them.
+
+    ``packed=True`` (None: as ``rows.packed_scoring`` says, off by default) lays several sequences into one row
+    instead (``asyncrl.algorithms.rows``) and calls ``model(input_ids=, position_ids=, use_cache=False)``: the
+    model must then keep sequences apart by their restarting positions, as transformers' decoders do. The
+    result has the same shape and, up to float rounding, the same values.
     """
     _check_inputs(prompts, completions, temperature, loss_masks)
-    batch = _right_padded(prompts, completions, pad_id, _device_of(model), loss_masks)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-    ).logits
-    rows = torch.arange(len(prompts), device=logits.device)[:, None]
-    # Only the positions that predict completion tokens are normalised: [B, T, V], not [B, L, V].
-    scored = torch.log_softmax(logits[rows, batch.score_at].float() / temperature, dim=-1)
+    pack = packing_enabled() if packed is None else packed
+    layout = packed_rows if pack else padded_rows
+    batch = layout(prompts, completions, pad_id, _device_of(model), loss_masks)
+    if batch.packed:  # no 2D mask and no cache: what makes transformers derive the mask from position_ids
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    else:
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
+    # Only the positions that predict completion tokens are normalised: [B, T, V], not [rows, L, V].
+    scored = torch.log_softmax(logits[batch.row_of[:, None], batch.score_at].float() / temperature, dim=-1)
     logprobs = scored.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
     entropy = -(scored.exp() * scored).sum(-1) * batch.mask if with_entropy else None
     return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask)
-
-
-def _right_padded(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-    loss_masks: Sequence[Sequence[int] | None] | None = None,
-) -> _Batch:
-    rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    width = max(len(r) for r in rows)
-    steps = max(len(c) for c in completions)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    score_at = torch.zeros((len(rows), steps), dtype=torch.long)
-    targets = torch.full((len(rows), steps), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), steps), dtype=torch.float32)
-    for i, (row, prompt, completion) in enumerate(zip(rows, prompts, completions)):
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, : len(row)] = 1
-        n = len(completion)
-        # logits at index t predict token t + 1, so completion token j is scored at len(prompt) + j - 1
-        score_at[i, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
-        targets[i, :n] = torch.tensor(list(completion), dtype=torch.long)
-        row_mask = loss_masks[i] if loss_masks is not None else None
-        mask[i, :n] = 1.0 if row_mask is None else torch.tensor(list(row_mask), dtype=torch.float32)
-    position_ids = torch.arange(width).expand(len(rows), width)
-    return _Batch(*(t.to(device) for t in (input_ids, attention_mask, position_ids, score_at, targets, mask)))
 
 
 def _check_inputs(

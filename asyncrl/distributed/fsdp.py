@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.actors.training import accumulate, clip_and_step, finish_metrics, is_inert, zero_grads
+from asyncrl.actors.training import accumulate, clip_and_step, finish_metrics, is_inert, prepare_model, zero_grads
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.distributed.partition import RankShard, plan_batch
@@ -97,12 +97,13 @@ class FSDPBackend:
         self.staging_dir = Path(staging_dir) if staging_dir else None
         self.channel = ControlChannel(ctx)
         self.stopped = False
+        prepare_model(model, config)  # on every rank: a recomputed block gathers its shards again, a collective
 
     # -- rank 0: the learner's backend -------------------------------------------------------------------
 
     def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
         plan = plan_batch(batch, self.ctx.world_size, self.config.micro_batch_rollouts, step,
-                          lambda g: is_inert(self.loss, self.config, g))
+                          lambda g: is_inert(self.loss, self.config, g), max_tokens=self.config.micro_batch_tokens)
         with self._command():
             shard = self.channel.scatter(plan.shards)
             assert isinstance(shard, RankShard)
@@ -161,7 +162,7 @@ class FSDPBackend:
             self.optimizer.zero_grad(set_to_none=True)
             batch_loss, sums = accumulate(self.model, self.loss, shard.chunks, total_tokens=shard.total_tokens,
                                           active_groups=max(1, shard.active_groups),
-                                          autocast=self.config.autocast)
+                                          autocast=self.config.autocast, packing=self.config.packing)
             if shard.active_groups == 0:
                 zero_grads(self.model)
             keys = sorted(sums)  # the same on every rank: every rank scored at least one (maybe padding) chunk

@@ -33,15 +33,16 @@ class BatchPlan:
 
 
 def plan_batch(batch: Sequence[RolloutGroup], world_size: int, max_rollouts: int, step: int,
-               inert: Callable[[RolloutGroup], bool]) -> BatchPlan:
+               inert: Callable[[RolloutGroup], bool], *, max_tokens: int | None = None) -> BatchPlan:
     """Give each rank a share of the active groups balanced by tokens, cut into micro-batches of at most
-    ``max_rollouts`` rollouts, and pad every rank to the same number of micro-batches."""
+    ``max_rollouts`` rollouts (or ``max_tokens`` forward tokens, as ``chunks``), and pad every rank to the same
+    number of micro-batches."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     total_tokens = sum(g.num_tokens for g in batch) or 1
     active = [g for g in batch if not inert(g)]
     parts = balanced(active, world_size)
-    per_rank = [[Chunk(c) for c in chunks(part, max_rollouts)] if part else [] for part in parts]
+    per_rank = [[Chunk(c) for c in chunks(part, max_rollouts, max_tokens)] if part else [] for part in parts]
     count = max(len(c) for c in per_rank)
     if active:
         filler = Chunk([min(active, key=lambda g: g.num_tokens)], real=False)  # the cheapest group

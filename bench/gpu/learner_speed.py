@@ -1,0 +1,160 @@
+"""The learner's own speed: tokens/s and MFU of single-device training steps, padded or packed, with or
+without gradient checkpointing, on synthetic RL batches (completion lengths vary, as sampled ones do).
+
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b                         # padded rows (the default)
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --grad-ckpt   # one variant
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --all                   # all four, one file
+    python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
+
+The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
+copy with the same seed through ``LocalBackend``: one warm-up step, then ``--steps`` timed ones. Reported:
+``tokens_per_s`` counts real forward tokens (prompt + completion of every rollout, padding excluded), so padded
+and packed runs are comparable; ``computed_tokens_per_step`` is what the forward actually processed (padding
+included); ``mfu = 6 * params * tokens_per_s / peak_flops`` (the usual dense estimate: attention FLOPs and
+gradient checkpointing's recomputation are not counted as useful work). ``--peak-flops`` defaults to an
+H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import time
+from typing import Any
+
+from bench import common
+from bench.gpu.distributed import SHAPES
+
+H200_BF16_DENSE_FLOPS = 989e12
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.parser(__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
+    p.add_argument("--packing", action="store_true", help="LearnerConfig(packing=True)")
+    p.add_argument("--grad-ckpt", action="store_true", help="LearnerConfig(gradient_checkpointing=True)")
+    p.add_argument("--all", action="store_true", help="every packing x grad-ckpt combination")
+    p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up)")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=384, help="longest completion")
+    p.add_argument("--min-completion-len", type=int, help="shortest completion (default: a tenth of the longest)")
+    p.add_argument("--micro-batch-rollouts", type=int, default=16)
+    p.add_argument("--micro-batch-tokens", type=int, help="micro-batches by tokens instead of rollouts")
+    p.add_argument("--dtype", help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--attn", default="sdpa", help="transformers attention implementation (sdpa, eager, ...)")
+    p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_FLOPS,
+                   help="the device's peak FLOP/s for the MFU denominator")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny batch, 2 timed steps")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.steps, args.groups, args.group_size, args.prompt_len, args.completion_len = 2, 4, 4, 8, 32
+        args.micro_batch_rollouts = 8
+    args.min_completion_len = args.min_completion_len or max(1, args.completion_len // 10)
+    return args
+
+
+def build(args: argparse.Namespace) -> Any:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, tie_word_embeddings=True,
+                      attn_implementation=args.attn)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if common.on_gpu() else "float32"))
+    return Qwen2ForCausalLM(cfg).to(dtype=dtype, device=common.learner_device())
+
+
+def batch(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
+    """Groups with completion lengths drawn uniformly in [min, max] and mixed rewards (nothing inert)."""
+    from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(args.groups):
+        rollouts = []
+        for r in range(args.group_size):
+            ids = tuple(rng.randrange(4, vocab) for _ in range(rng.randint(args.min_completion_len,
+                                                                           args.completion_len)))
+            rollouts.append(Rollout(Sample(ids, (-3.0,) * len(ids), FinishReason.STOP,
+                                           (VersionSpan(0, 0, len(ids)),)), float(r % 2)))
+        prompt = Prompt(f"g{g}", tuple(rng.randrange(4, vocab) for _ in range(args.prompt_len)))
+        groups.append(RolloutGroup(f"s{seed}g{g}", prompt, tuple(rollouts)))
+    return groups
+
+
+def computed_tokens(groups: list[Any], cfg: Any) -> int:
+    """Tokens the forward passes process for ``groups``, padding included (as ``LocalBackend`` cuts them)."""
+    from asyncrl.actors.training import chunks
+    from asyncrl.algorithms.rows import pack
+
+    total = 0
+    for part in chunks(groups, cfg.micro_batch_rollouts, cfg.micro_batch_tokens):
+        lengths = [len(g.prompt.token_ids) + len(r.sample.token_ids) for g in part for r in g.rollouts]
+        rows = 1 + max(row for row, _ in pack(lengths, max(lengths))) if cfg.packing else len(lengths)
+        total += rows * max(lengths)  # every row is as wide as the longest sequence
+    return total
+
+
+def measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool) -> dict[str, Any]:
+    import torch
+
+    from asyncrl.actors.training import LocalBackend, forward_tokens
+    from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+    from asyncrl.config import LearnerConfig
+
+    cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, micro_batch_tokens=args.micro_batch_tokens,
+                        packing=packing, gradient_checkpointing=grad_ckpt)
+    model = copy.deepcopy(base)
+    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
+    vocab = model.config.vocab_size
+    cuda = torch.cuda.is_available()
+    backend.train_step(batch(args, vocab, 0), 0)  # warm-up: allocator, kernels
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    batches = [batch(args, vocab, s + 1) for s in range(args.steps)]
+    t0 = time.perf_counter()
+    for step, groups in enumerate(batches):
+        backend.train_step(groups, step + 1)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = sum(forward_tokens(g) for groups in batches for g in groups)
+    params = sum(p.numel() for p in model.parameters())
+    out = {"packing": packing, "grad_ckpt": grad_ckpt, "steps": args.steps, "step_s": wall / args.steps,
+           "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / wall,
+           "computed_tokens_per_step": sum(computed_tokens(g, cfg) for g in batches) / args.steps,
+           "params": params, "mfu": 6 * params * (tokens / wall) / args.peak_flops}
+    if cuda:
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del backend, model
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    common.set_env()
+    result = common.Result("learner_speed", args)
+    result.doc["command"] = " ".join(["python", "-m", "bench.gpu.learner_speed", *sys.argv[1:]])
+    base = build(args)
+    if args.all:
+        variants = [(packing, ckpt) for packing in (False, True) for ckpt in (False, True)]
+    else:
+        variants = [(args.packing, args.grad_ckpt)]
+    runs = []
+    for packing, grad_ckpt in variants:
+        r = measure(args, base, packing, grad_ckpt)
+        runs.append(r)
+        waste = r["computed_tokens_per_step"] / r["tokens_per_step"]
+        print(f"packing={packing} grad_ckpt={grad_ckpt}: {r['tokens_per_s']:.0f} tokens/s, MFU "
+              f"{100 * r['mfu']:.3f}%, computed/real tokens {waste:.2f}", flush=True)
+    suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
+    result.write({"shape": args.shape, "runs": runs}, suffix=suffix)
+
+
+if __name__ == "__main__":
+    main()
