@@ -55,10 +55,11 @@ def learning(r: dict[str, Any]) -> list[str]:
             v = verdict.get(name, {})
             rows.append([name, f"{pct(x['final_accuracy_mean'])} ± {pct(x['final_accuracy_std'])}",
                          num(v.get("accuracy_vs_sync", 1.0)), f"{num(x['wall_s_mean'], 0)} ± {num(x['wall_s_std'], 0)}",
-                         f"{num(v.get('speedup_vs_sync', 1.0))}x", num(x["mean_staleness_mean"])])
+                         f"{num(v.get('speedup_vs_sync', 1.0))}x", num(x["mean_staleness_mean"]),
+                         ", ".join(f"{k} {v}" for k, v in sorted(x.get("dropped", {}).items())) or "0"])
     base = r["base_accuracy"]
     return table(["setting", "held-out accuracy (mean ± sd)", "vs sync", "wall s (mean ± sd)", "speed-up",
-                  "staleness"], rows) + ["", f"Base accuracy per seed: {', '.join(pct(b) for b in base.values())}."]
+                  "staleness", "groups dropped (all seeds)"], rows) + ["", f"Base accuracy per seed: {', '.join(pct(b) for b in base.values())}."]
 
 
 def engine_limit(r: dict[str, Any]) -> list[str]:
