@@ -2,9 +2,11 @@
 
     python -m bench.run_all [--quick] [--only NAME ...] [--skip NAME ...] [--out DIR]
 
-Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, contention, vs_trl, learning (when
-``bench/learning.py`` exists). Each runs as ``python -m bench.<name>`` from the repository root. ``--quick`` is
-passed to each; vs_trl also gets ``--setup-trl`` (it builds TRL's venv in ``.cache/trl-venv`` when missing).
+Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, contention, vs_trl, learning,
+tool_use, scaling_sim (needs Ray: ``pip install -e '.[ray]'``), demo_seeds (the longest, ~45 min). Each runs as
+``python -m bench.<name>`` from the repository root. ``--quick`` is passed to each (as a smaller run for the
+ones without that flag); vs_trl also gets ``--setup-trl`` (it builds TRL's venv in ``.cache/trl-venv`` when
+missing).
 Each writes ``<name>_<device>.json`` into ``--out`` (default ``bench/results/``); a benchmark that fails is
 reported and the others still run. Exit status 1 if any failed.
 """
@@ -19,8 +21,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "contention", "vs_trl", "learning")
+ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "contention", "vs_trl", "learning",
+         "tool_use", "scaling_sim", "demo_seeds")
 EXTRA = {"vs_trl": ["--setup-trl"]}  # on a fresh machine, vs_trl creates TRL's own venv first
+QUICK = {"tool_use": ["--seeds", "0", "--steps", "30"], "demo_seeds": ["--only", "seed0"]}  # no --quick flag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     times: dict[str, float] = {}
     for name in names:
-        cmd = [sys.executable, "-m", f"bench.{name}", *(["--quick"] if args.quick else []),
+        quick = QUICK.get(name, ["--quick"]) if args.quick else []
+        cmd = [sys.executable, "-m", f"bench.{name}", *quick,
                *(["--out", str(args.out)] if args.out else []), *EXTRA.get(name, [])]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
