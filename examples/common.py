@@ -62,6 +62,21 @@ def start_cli(verbose: bool, torch_threads: int) -> None:
     torch.set_num_threads(max(1, torch_threads))
 
 
+def announce_engine_start() -> None:
+    """Say on screen why the first engine start on a machine is slow, so nobody takes it for a hang: torch
+    compiles the engine's kernels once and caches them (``TORCHINDUCTOR_CACHE_DIR``, by default
+    ``/tmp/torchinductor_<user>``); later starts load them."""
+    import getpass
+    import tempfile
+
+    cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                 or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    first = not cache.is_dir() or not any(cache.iterdir())
+    print("starting the vLLM engine" + (f" (first start on this machine: kernels are compiled once and cached "
+                                        f"under {cache}, so this start takes longer)" if first else ""),
+          flush=True)
+
+
 # --------------------------------------------------------------------------------------------------- tasks
 
 

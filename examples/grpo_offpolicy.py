@@ -196,6 +196,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     (args.out / "metrics.jsonl").unlink(missing_ok=True)
     monitor = make_monitor(args.out, tensorboard=args.tensorboard, config=_jsonable(vars(args)))
+    common.announce_engine_start()
     t_engine = time.perf_counter()
     engine = await VLLMEngine.start(engine_config(args, task, tok, model_dir))
     progress: common.ProgressHook | None = None
