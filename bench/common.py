@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import sys
@@ -307,3 +308,24 @@ def arithmetic_prompts(tok: Any, seed: int = 0, limit: int | None = None) -> Ite
 def staleness_mean(histogram: dict[int, int]) -> float:
     """Mean of a staleness histogram (staleness -> groups), 0 when empty."""
     return sum(s * c for s, c in histogram.items()) / max(1, sum(histogram.values()))
+
+
+def synthetic_groups(groups: int, group_size: int, prompt_len: int, lengths: tuple[int, int], vocab: int,
+                     seed: int) -> list[Any]:
+    """Random-token groups for learner speed runs: completion lengths uniform in ``lengths`` (min, max), and
+    rewards alternating 0/1 within each group so no group is inert (every one has a gradient)."""
+    from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
+
+    rng = random.Random(seed)
+    low, high = lengths
+    finish = FinishReason.LENGTH if low == high else FinishReason.STOP
+    out = []
+    for g in range(groups):
+        rollouts = []
+        for r in range(group_size):
+            n = high if low == high else rng.randint(low, high)
+            ids = tuple(rng.randrange(4, vocab) for _ in range(n))
+            rollouts.append(Rollout(Sample(ids, (-3.0,) * n, finish, (VersionSpan(0, 0, n),)), float(r % 2)))
+        prompt = Prompt(f"g{g}", tuple(rng.randrange(4, vocab) for _ in range(prompt_len)))
+        out.append(RolloutGroup(f"s{seed}g{g}", prompt, tuple(rollouts)))
+    return out

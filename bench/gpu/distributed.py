@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -136,19 +135,8 @@ def _suffix() -> str:
 
 def batch(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
     """Synthetic groups of fixed lengths with mixed rewards (every group has a gradient)."""
-    from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
-
-    rng = random.Random(seed)
-    groups = []
-    for g in range(args.groups):
-        rollouts = []
-        for r in range(args.group_size):
-            ids = tuple(rng.randrange(4, vocab) for _ in range(args.completion_len))
-            rollouts.append(Rollout(Sample(ids, (-3.0,) * len(ids), FinishReason.LENGTH,
-                                           (VersionSpan(0, 0, len(ids)),)), float(r % 2)))
-        prompt = Prompt(f"g{g}", tuple(rng.randrange(4, vocab) for _ in range(args.prompt_len)))
-        groups.append(RolloutGroup(f"s{seed}g{g}", prompt, tuple(rollouts)))
-    return groups
+    return common.synthetic_groups(args.groups, args.group_size, args.prompt_len,
+                                   (args.completion_len, args.completion_len), vocab, seed)
 
 
 def example_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import sys
 import time
 from typing import Any
@@ -70,20 +69,8 @@ def build(args: argparse.Namespace) -> Any:
 
 def batch(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
     """Groups with completion lengths drawn uniformly in [min, max] and mixed rewards (nothing inert)."""
-    from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
-
-    rng = random.Random(seed)
-    groups = []
-    for g in range(args.groups):
-        rollouts = []
-        for r in range(args.group_size):
-            ids = tuple(rng.randrange(4, vocab) for _ in range(rng.randint(args.min_completion_len,
-                                                                           args.completion_len)))
-            rollouts.append(Rollout(Sample(ids, (-3.0,) * len(ids), FinishReason.STOP,
-                                           (VersionSpan(0, 0, len(ids)),)), float(r % 2)))
-        prompt = Prompt(f"g{g}", tuple(rng.randrange(4, vocab) for _ in range(args.prompt_len)))
-        groups.append(RolloutGroup(f"s{seed}g{g}", prompt, tuple(rollouts)))
-    return groups
+    return common.synthetic_groups(args.groups, args.group_size, args.prompt_len,
+                                   (args.min_completion_len, args.completion_len), vocab, seed)
 
 
 def computed_tokens(groups: list[Any], cfg: Any) -> int:
