@@ -10,7 +10,7 @@ step is the single-device step split over ranks, not a second copy of it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -73,14 +73,18 @@ def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
 
 
 def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,
-               active_groups: int, autocast: str | None, packing: bool = False) -> tuple[float, dict[str, float]]:
+               active_groups: int, autocast: str | None, packing: bool = False,
+               grad_sync: Callable[[bool], None] | None = None) -> tuple[float, dict[str, float]]:
     """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
     over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
-    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows."""
+    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows.
+    ``grad_sync(last)`` runs before each backward: a sharded model reduces its gradients on the last one only."""
     batch_loss = 0.0
     sums: dict[str, float] = {}
-    for chunk in parts:
+    for i, chunk in enumerate(parts):
+        if grad_sync is not None:
+            grad_sync(i == len(parts) - 1)
         with precision(model, autocast), packed_scoring(packing):
             out = loss.compute(model, chunk.groups)
         scale = out.num_tokens / total_tokens if chunk.real else 0.0

@@ -162,7 +162,8 @@ class FSDPBackend:
             self.optimizer.zero_grad(set_to_none=True)
             batch_loss, sums = accumulate(self.model, self.loss, shard.chunks, total_tokens=shard.total_tokens,
                                           active_groups=max(1, shard.active_groups),
-                                          autocast=self.config.autocast, packing=self.config.packing)
+                                          autocast=self.config.autocast, packing=self.config.packing,
+                                          grad_sync=self._grad_sync)
             if shard.active_groups == 0:
                 zero_grads(self.model)
             keys = sorted(sums)  # the same on every rank: every rank scored at least one (maybe padding) chunk
@@ -171,6 +172,11 @@ class FSDPBackend:
             return summed[0], dict(zip(keys, summed[1:], strict=True)), norm
 
         return guarded(self.ctx, f"step {shard.step + 1}", step)
+
+    def _grad_sync(self, last: bool) -> None:
+        """Gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once, after the
+        last backward: one reduction per step instead of one per micro-batch."""
+        self.model.set_requires_gradient_sync(last)  # type: ignore[operator]  # an FSDPModule
 
     # -- ranks > 0 ---------------------------------------------------------------------------------------
 

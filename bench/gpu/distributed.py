@@ -173,7 +173,8 @@ def server_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     extra = ["--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization", "0.35"]
     if args.transfer == "nccl":
         extra += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return extra, {"CUDA_VISIBLE_DEVICES": "1"}  # the server beside rank 1; rank 0 publishes from GPU 0
+    # The server beside rank 1; rank 0 publishes from GPU 0. INFO: its start-up phases show in the log.
+    return extra, {"CUDA_VISIBLE_DEVICES": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
 async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
@@ -183,7 +184,8 @@ async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, A
 
     ex = example_args(args)
     extra, env = server_args(args)
-    async with start_vllm_server(args.model_dir, free_port(), extra_args=extra, env=env) as server:
+    log = Path(args.out) / f"vllm-server-{args.model_dir.name}.log"  # kept beside the results, for post-mortems
+    async with start_vllm_server(args.model_dir, free_port(), extra_args=extra, env=env, log_path=log) as server:
         pool, target = await example.connect(ex, [server.base_url], backend.ctx.local_rank)
         pipe = sharded_pipeline(pool, backend, example.prompts(ex), example.reward_fn(ex),
                                 example.pipeline_config(ex), target=target)

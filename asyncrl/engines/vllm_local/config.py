@@ -107,6 +107,9 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
     if cpu:
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
+        # Every request is seeded, and vLLM CPU cannot rewind a seeded generator after a prompt split over two
+        # steps: the engine core dies. Whole prompts only (a step then holds at least one max-length prompt).
+        kwargs["enable_chunked_prefill"] = False
     else:
         # The learner usually lives in this process and has touched CUDA already: forked workers can't.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -36,6 +36,23 @@ DEFAULT_ENV: Mapping[str, str] = {
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
+# What torchrun (and torch elastic) tell their workers. A server started from a learner rank must not see
+# them: with TORCHELASTIC_USE_AGENT_STORE set, torch's tcp:// rendezvous connects to the given port as a client
+# instead of hosting the store, so a vLLM that sets up its own world that way waits for a store nobody hosts.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV_PREFIX = "TORCHELASTIC_"
+
+
+def server_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: ``base`` (default ``os.environ``) without the launcher's variables, then
+    ``DEFAULT_ENV``, then ``env``; the project root goes first on PYTHONPATH."""
+    inherited = {k: v for k, v in (os.environ if base is None else base).items()
+                 if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIX)}
+    full = {**inherited, **DEFAULT_ENV, **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, full.get("PYTHONPATH")) if p)
+    return full
+
 
 def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:
     """The server command line. ``extra_args`` come last, so a repeated flag overrides the default."""
@@ -45,8 +62,17 @@ def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()
         # Behaviour log-probs must be those of the distribution actually sampled (after temperature).
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION,  # weight reload that keeps tied weights (the LM head) tied
+        *_platform_args(),
         *extra_args,
     ]
+
+
+def _platform_args() -> list[str]:
+    """On vLLM CPU, whole prompts only: requests are seeded, and a seeded prompt split over two scheduler steps
+    kills its engine core (vLLM CPU cannot rewind the generator)."""
+    from asyncrl.engines.vllm_local.config import is_cpu_platform
+
+    return ["--no-enable-chunked-prefill"] if is_cpu_platform() else []
 
 
 def free_port() -> int:
@@ -170,11 +196,11 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
     """Start ``python -m vllm.entrypoints.openai.api_server`` in its own process group and wait until
     /health answers. On exit (normal, error or cancellation) the whole group is terminated.
 
-    ``env`` is added to this process's environment on top of ``DEFAULT_ENV``. The log goes to ``log_path``
+    ``env`` is added on top of ``DEFAULT_ENV`` and this process's environment, less a launcher's variables
+    (``server_env``), so a learner rank under torchrun can start one. The log goes to ``log_path``
     (default: a new file under the temp dir, kept for post-mortems).
     """
-    full_env = {**os.environ, **DEFAULT_ENV, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, full_env.get("PYTHONPATH")) if p)
+    full_env = server_env(env)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
         os.close(fd)

@@ -1,0 +1,16 @@
+"""What a vLLM server started by ``start_vllm_server`` inherits (no server is started here)."""
+
+from __future__ import annotations
+
+from asyncrl.engines.vllm_remote.process import DEFAULT_ENV, server_env
+
+
+def test_a_server_started_from_a_torchrun_rank_sees_none_of_the_launchers_variables() -> None:
+    rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0",
+                "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": "/site"}
+    env = server_env({"CUDA_VISIBLE_DEVICES": "1"}, base=rank_env)
+    assert not {k for k in env if k in rank_env and k not in ("PATH", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")}
+    assert env["PATH"] == "/usr/bin" and env["CUDA_VISIBLE_DEVICES"] == "1"  # the caller's env wins
+    assert env["PYTHONPATH"].endswith("/site") and env["PYTHONPATH"] != "/site"  # the project root goes first
+    assert all(env[k] == v for k, v in DEFAULT_ENV.items())
