@@ -79,6 +79,16 @@ def tool_use(r: dict[str, Any]) -> list[str]:
             f"{pct(s['tool_rate_before']['mean'])} -> {pct(s['tool_rate_after']['mean'])}."]
 
 
+def learner_speed(r: dict[str, Any]) -> list[str]:
+    rows = [["packed" if x["packing"] else "padded", "on" if x["grad_ckpt"] else "off", num(x["step_s"], 3),
+             num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
+             f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
+            for x in r["runs"]]
+    return table(["rows", "grad ckpt", "step s", "real tokens/step", "computed/real", "tokens/s", "MFU",
+                  "peak GiB"], rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s "
+                                            "(H200 dense bf16); goal 40%."]
+
+
 FORMATTERS = {
     "distributed": ("FSDP2 learner across ranks", "Learner tokens/s on 1 and 2 ranks (torchrun, FSDP2, bf16).",
                     distributed),
@@ -90,6 +100,8 @@ FORMATTERS = {
               "weight update, and the log-prob parity check passed.", sleep_mode),
     "startup_probe": ("Engine start-up on the GPU", "Where an engine start's seconds go, per variant (seconds).",
                       startup),
+    "learner_speed": ("Learner speed and MFU", "LocalBackend steps on synthetic RL batches (completion lengths "
+                      "vary 38-384 tokens, prompts 128), bf16 on one H200.", learner_speed),
     "tool_use": ("Multi-turn tool use", "examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
                  "before and after RL.", tool_use),
 }
