@@ -164,6 +164,8 @@ async def lead(args: argparse.Namespace, backend: Any, hooks: list[Any] = ()) ->
 
 
 async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, hooks: list[Any]) -> dict[str, Any]:
+    from asyncrl.checkpoint.resume import continue_books
+    from asyncrl.checkpoint.store import restored_counters
     from asyncrl.data import PromptSource
     from asyncrl.distributed import read_meta, sharded_pipeline
 
@@ -173,6 +175,8 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, 
                             step=meta["step"])
     learner = pipe.learner
     if args.resume:
+        if "counters" in meta:  # the group accounting goes on where it stopped
+            continue_books(pipe, restored_counters(meta), meta["samples_trained"])
         # The servers start from the model directory: serve the restored weights, as a version never seen.
         await learner.publish(meta["version"] + 1)
 
@@ -187,7 +191,8 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, 
     result = await pipe.run(args.steps)
     summary = {"steps": result.steps, "version": result.version, "wall_s": result.wall_s,
                "groups_trained": result.groups_trained, "dropped": result.dropped, "sync_s": result.sync_s,
-               "train_s": result.train_s, "ranks": backend.ctx.world_size, "servers": len(pool.live)}
+               "train_s": result.train_s, "ranks": backend.ctx.world_size, "servers": len(pool.live),
+               "prompts_issued": source.cursor}  # every one of them trained or dropped, this run and before
     emit("done", **summary)
     return summary
 
@@ -195,12 +200,15 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, 
 async def checkpoint(args: argparse.Namespace, learner: Any, source: Any, step: int) -> None:
     import asyncio
 
+    from asyncrl.checkpoint.resume import training_state
+    from asyncrl.checkpoint.store import state_meta
     from asyncrl.distributed.checkpoint import save_backend
 
     await learner.flush()  # the version recorded is the one served
     path = args.checkpoint_dir / f"step-{step:06d}"
-    # Groups queued or being generated now are not replayed on resume: the prompts continue at the cursor.
-    meta = {"step": step, "version": learner.version, "cursor": source.cursor, "model_dir": str(args.model_dir)}
+    # Groups queued or being generated now are not replayed on resume: the prompts continue at the cursor, and
+    # those groups are counted as unused there.
+    meta = {**state_meta(training_state(learner, source)), "model_dir": str(args.model_dir)}
     await asyncio.to_thread(learner.backend.call, functools.partial(save_backend, path=str(path), meta=meta))
 
 

@@ -126,6 +126,37 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL
 
 
+def _example(ranks: int, *args: str) -> list[dict]:
+    """``examples.distributed_grpo`` under torchrun on ``ranks`` ranks; its JSON event lines."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [*TORCHRUN[:3], "--nproc-per-node", str(ranks), *TORCHRUN[5:], "-m", "examples.distributed_grpo", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"event"')]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(330)
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_sharded_run_resumed_on_one_rank_accounts_for_every_group(server, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    import asyncio
+
+    run = ["--model-dir", str(tiny_model_dir), "--servers", server.base_url, *RUN_ARGS[2:]]
+    first = await asyncio.to_thread(_example, 2, *run, "--steps", "2", "--checkpoint-dir", str(tmp_path),
+                                    "--checkpoint-every", "2")
+    meta = json.loads((tmp_path / "step-000002" / "meta.json").read_text())
+    assert meta["counters"]["trained"] == 8 and meta["step"] == 2  # 2 steps of 4 groups
+    second = await asyncio.to_thread(_example, 1, *run, "--steps", "3", "--resume", str(tmp_path / "step-000002"))
+    done = second[-1]
+    assert done["event"] == "done" and done["steps"] == 3 and done["groups_trained"] == 12
+    # Every prompt handed out, in either process, was trained or dropped with a reason.
+    assert done["prompts_issued"] == done["groups_trained"] + sum(done["dropped"].values())
+    lost_with_the_first = meta["queue_depth"] + meta["in_flight"]
+    assert done["dropped"].get("unused_at_shutdown", 0) >= lost_with_the_first
+    assert first[-1]["prompts_issued"] == first[-1]["groups_trained"] + sum(first[-1]["dropped"].values())
+
+
 @pytest.mark.timeout(120)
 def test_killing_a_rank_ends_the_run_within_seconds(tiny_model_dir: Path, tmp_path: Path) -> None:
     import psutil

@@ -26,6 +26,7 @@ from asyncrl.actors.learner import Learner, StepHook
 from asyncrl.actors.rewards import RewardFn
 from asyncrl.checkpoint.store import Checkpoint, Checkpointer, ResumeState, TrainingState, restore, verify
 from asyncrl.config import PipelineConfig
+from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine
 from asyncrl.pipeline import Pipeline
@@ -94,7 +95,7 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module, items: Iterabl
     state = None
     if ckpt is not None:
         state = restore(ckpt, pipe.learner.model, pipe.learner.optimizer)
-        _continue_books(pipe, state)
+        continue_books(pipe, state.counters, state.samples_trained)
         version = state.version if state.published else state.version + 1
         served = pipe.learner.version
         if version <= served:  # an engine that already moved past it: versions never go back
@@ -107,9 +108,10 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module, items: Iterabl
     return pipe, state
 
 
-def _continue_books(pipe: Pipeline, state: ResumeState) -> None:
+def continue_books(pipe: Pipeline, saved: GroupCounters, samples_trained: int) -> None:
+    """Carry a checkpoint's group accounting (``store.restored_counters``) into a new pipeline."""
     counters = pipe.receiver.counters
-    counters.queued, counters.trained = state.counters.queued, state.counters.trained
-    counters.dropped = state.counters.dropped
-    counters.dropped_before_queue = state.counters.dropped_before_queue
-    pipe.learner.samples_trained = state.samples_trained
+    counters.queued, counters.trained = saved.queued, saved.trained
+    counters.dropped = saved.dropped
+    counters.dropped_before_queue = saved.dropped_before_queue
+    pipe.learner.samples_trained = samples_trained

@@ -170,7 +170,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         await self.wait()
         t1 = time.perf_counter()
-        meta_json = json.dumps(_meta(state))  # here, so a bad ``extra`` fails this call
+        meta_json = json.dumps(state_meta(state))  # here, so a bad ``extra`` fails this call
         snapshot = await asyncio.to_thread(_snapshot, model, optimizer, state, meta_json)
         self.counters.wait_s += t1 - t0
         self.counters.snapshot_s = time.perf_counter() - t1
@@ -309,11 +309,12 @@ def restore(checkpoint: Checkpoint | str | Path, model: torch.nn.Module,
     set_rng_state(meta["rng"])
     log.info("restored %s: step %d, version %d, cursor %d", ckpt.path, ckpt.step, meta["version"], meta["cursor"])
     return ResumeState(step=meta["step"], version=meta["version"], published=meta["published"],
-                       cursor=meta["cursor"], counters=_restored_counters(meta),
+                       cursor=meta["cursor"], counters=restored_counters(meta),
                        samples_trained=meta["samples_trained"], extra=meta.get("extra", {}), path=ckpt.path)
 
 
-def _meta(state: TrainingState) -> dict[str, Any]:
+def state_meta(state: TrainingState) -> dict[str, Any]:
+    """``state`` as a checkpoint's JSON meta (also what a sharded checkpoint records)."""
     c = state.counters
     return {
         "format": FORMAT, "step": state.step, "version": state.version, "published": state.published,
@@ -360,7 +361,9 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
-def _restored_counters(meta: Mapping[str, Any]) -> GroupCounters:
+def restored_counters(meta: Mapping[str, Any]) -> GroupCounters:
+    """The group counts a resumed run continues from: the saved ones, with the groups that were queued or
+    being generated in the process that saved counted as unused (they are not replayed)."""
     saved = meta["counters"]
     counters = GroupCounters(queued=saved["queued"], trained=saved["trained"],
                              dropped=Counter({DropReason(r): c for r, c in saved["dropped"].items()}),
