@@ -43,6 +43,34 @@ class ServerApi:
         self.engine = engine
         self._probe_lock = asyncio.Lock()
         self._last_alive = time.monotonic()
+        self._fresh: aiohttp.ClientSession | None = None  # new connection per request; for resends only
+
+    async def send(self, method: str, url: str, **kw: Any) -> aiohttp.ClientResponse:
+        """``session.request`` up to the response headers, resent once on a new connection if the server
+        closed the connection without answering.
+
+        That is uvicorn's keep-alive timer at work, not a dead server: it closes a connection idle for
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE even when our next request is already on its way (its loop runs due
+        timers before reading; seen with both processes stalled seconds on a loaded 2-core host), so the
+        request was never read. A new connection has no such timer; a dead server refuses it (an error)."""
+        try:
+            return await self.session.request(method, url, **kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect: nothing to resend
+                raise
+            log.info("%s closed a kept-alive connection before answering %s %s (%r); resending on a new "
+                     "connection", self.engine, method, url, exc)
+        if self._fresh is None:
+            self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                                headers=self.session.headers)
+        return await self._fresh.request(method, url, **kw)
+
+    async def close(self) -> None:
+        try:
+            await self.session.close()
+        finally:
+            if self._fresh is not None:
+                await self._fresh.close()
 
     async def call(self, method: str, path: str, *, params: dict[str, str] | None = None,
                    body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
@@ -53,8 +81,8 @@ class ServerApi:
         total = self.cfg.request_timeout_s if timeout_s is None else None if math.isinf(timeout_s) else timeout_s
         url = f"{self.base_url}{path}"
         try:
-            async with self.session.request(method, url, params=params, json=body,
-                                            timeout=aiohttp.ClientTimeout(total=total)) as resp:
+            async with await self.send(method, url, params=params, json=body,
+                                       timeout=aiohttp.ClientTimeout(total=total)) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise ServerStatusError(self.engine, f"{method} {url}: HTTP {resp.status}: {text[:500]}",

@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT_S = 2.0  # best-effort server-side abort of a cancelled request
 _READ_BUFSIZE = 4 * 2**20  # the first streamed chunk echoes the prompt ids; long prompts make long lines
-# Idle connections are dropped well before the server's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s):
-# reusing one the server is closing fails the request with "Server disconnected" (seen).
+# Idle connections are dropped well before the server's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so
+# that reusing one the server is closing is rare; stalls can still make it happen (ServerApi.send resends).
 _KEEPALIVE_S = 2.0
 # After a pause call was cut short the server may still apply it after our resume (its handler runs on): check
 # this many times, this far apart, and resume again if it did. Nothing on the server signals it.
@@ -102,15 +102,15 @@ class RemoteVLLMEngine:
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         # limit=0: control calls (pause!) must never queue behind hundreds of open generation streams.
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
-                                        headers=headers, read_bufsize=_READ_BUFSIZE)
+                                        headers=headers)
+        api = ServerApi(session, cfg, name)
         try:
-            api = ServerApi(session, cfg, name)
             engine = cls(cfg, api, await server_info(api), name, transport)
             await engine._set_version(0)
             if transport is not None:
                 await transport.setup(api)
         except BaseException:
-            await session.close()
+            await api.close()
             raise
         log.info("connected to vLLM server %s (max_model_len %d)", cfg.base_url, engine.max_model_len)
         return engine
@@ -171,8 +171,9 @@ class RemoteVLLMEngine:
         self._requests += 1
         try:
             # No total timeout (a paused request waits as long as the pause); liveness probes instead.
-            resp = await self._watched(self._api.session.post(
-                f"{self._cfg.base_url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=None)))
+            resp = await self._watched(self._api.send(
+                "POST", f"{self._cfg.base_url}/v1/completions", json=body, read_bufsize=_READ_BUFSIZE,
+                timeout=aiohttp.ClientTimeout(total=None)))
             async with resp:
                 if resp.status != 200:
                     raise self._refusal(resp.status, await resp.text(), request_id)
@@ -335,5 +336,5 @@ class RemoteVLLMEngine:
             if self._transport is not None:
                 await self._transport.close()
         finally:
-            await self._api.session.close()
+            await self._api.close()
             self._good.release()
