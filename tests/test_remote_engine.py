@@ -77,6 +77,7 @@ async def _served(model_dir: Path) -> AsyncIterator[ServerProcess]:
     async with start_vllm_server(model_dir, free_port(), extra_args=_device_args()) as server:
         yield server
     assert not group_members(server.pgid), "server processes left behind"
+    assert server.rpc_dir is not None and not server.rpc_dir.exists(), "vLLM's socket files left behind"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -22,6 +22,7 @@ from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, restore_good_weights, stamped_spans
 from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, request_seed
+from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, engine_args
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import ClosedLLM, pending_outputs_probe, quiet_shutdown
@@ -39,8 +40,9 @@ DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their s
 class VLLMEngine(SleepMixin):
     """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
 
-    def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm") -> None:
+    def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm", rpc_dir: Path | None = None) -> None:
         self._llm = llm
+        self._rpc_dir = rpc_dir  # where vLLM put its IPC sockets (rpc_dir.py); removed by close()
         self._cfg = cfg
         self.name = name
         self._version = 0
@@ -59,16 +61,20 @@ class VLLMEngine(SleepMixin):
     @classmethod
     async def start(cls, cfg: VLLMEngineConfig, name: str = "vllm") -> VLLMEngine:
         """Start the engine; blocking start-up runs in a thread so the event loop keeps serving. Cancelling
-        the start waits for it to finish and shuts the half-started engine down: no process is left behind."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, engine_args(cfg)))
+        the start waits for it to finish and shuts the half-started engine down: no process is left behind,
+        nor any of vLLM's socket files."""
+        args = engine_args(cfg)
+        rpc_dir = make_rpc_dir()
+        starting = asyncio.ensure_future(asyncio.to_thread(_start_llm, args, rpc_dir))
         try:
             llm = await asyncio.shield(starting)
         except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
-            await settle(_close_when_started(starting, cfg, name), "closing a cancelled engine start")
+            await settle(_close_when_started(starting, cfg, name, rpc_dir), "closing a cancelled engine start")
             raise
-        engine = cls(llm, cfg, name)
+        except BaseException:
+            remove_rpc_dir(rpc_dir)  # vLLM has shut down what it had started
+            raise
+        engine = cls(llm, cfg, name, rpc_dir)
         try:
             await engine._call(llm.collective_rpc("asyncrl_record_ties"))
             if engine._stamps:
@@ -305,15 +311,25 @@ class VLLMEngine(SleepMixin):
         finally:
             self._llm = ClosedLLM()  # late calls fail with a clear error instead of reaching a dead engine
             self._good.release()
+            remove_rpc_dir(self._rpc_dir)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
 
 
-async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConfig, name: str) -> None:
+def _start_llm(args: Any, rpc_dir: Path) -> Any:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with rpc_dir_in_env(rpc_dir):  # the sockets bound here and by the processes it spawns go there
+        return AsyncLLM.from_engine_args(args)
+
+
+async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConfig, name: str,
+                              rpc_dir: Path) -> None:
     try:
         llm = await starting
     except Exception:
+        remove_rpc_dir(rpc_dir)
         return  # it failed to start: nothing runs
-    await VLLMEngine(llm, cfg, name).close()
+    await VLLMEngine(llm, cfg, name, rpc_dir).close()
 
 
 def _sampled_logprobs(engine: str, comp: Any) -> list[float]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+from asyncrl.engines.rpc_dir import ENV as RPC_ENV
+from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ class ServerProcess:
     port: int
     model_dir: Path
     log_path: Path  # the server's stdout and stderr
+    rpc_dir: Path | None = None  # vLLM's IPC sockets (VLLM_RPC_BASE_PATH), removed once the server is gone
 
     @property
     def base_url(self) -> str:
@@ -198,9 +201,30 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
 
     ``env`` is added on top of ``DEFAULT_ENV`` and this process's environment, less a launcher's variables
     (``server_env``), so a learner rank under torchrun can start one. The log goes to ``log_path``
-    (default: a new file under the temp dir, kept for post-mortems).
+    (default: a new file under the temp dir, kept for post-mortems). vLLM's IPC sockets go to a private
+    directory under ``VLLM_RPC_BASE_PATH`` (``env``'s, else this process's, else the temp dir), removed on exit.
     """
-    full_env = server_env(env)
+    rpc_dir = make_rpc_dir((env or {}).get(RPC_ENV))
+    try:
+        server = await _spawn(model_dir, port, extra_args, {**(env or {}), RPC_ENV: str(rpc_dir)}, log_path,
+                              rpc_dir)
+        try:
+            t0 = time.monotonic()
+            await _wait_healthy(server, startup_timeout_s)
+            log.info("vLLM server on port %d healthy after %.1fs", port, time.monotonic() - t0)
+            yield server
+        finally:
+            try:
+                await server.stop()
+            except BaseException:
+                server.kill()  # cancelled or timed out while stopping: leave no orphan behind
+                raise
+    finally:
+        remove_rpc_dir(rpc_dir)  # every process of the group is gone (or SIGKILLed): nothing binds there now
+
+
+async def _spawn(model_dir: str | Path, port: int, extra_args: Sequence[str], env: Mapping[str, str],
+                 log_path: str | Path | None, rpc_dir: Path) -> ServerProcess:
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
         os.close(fd)
@@ -209,19 +233,8 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
     with log_path.open("ab") as log_file:
         # A file, not a pipe: nobody would drain a pipe, and a full pipe blocks the server.
         process = await asyncio.create_subprocess_exec(
-            *server_args(model_dir, port, extra_args), env=full_env, stdin=asyncio.subprocess.DEVNULL,
+            *server_args(model_dir, port, extra_args), env=server_env(env), stdin=asyncio.subprocess.DEVNULL,
             stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
-    server = ServerProcess(process=process, port=port, model_dir=Path(model_dir), log_path=log_path)
     log.info("started vLLM server pid %d on port %d (log %s)", process.pid, port, log_path)
-    try:
-        t0 = time.monotonic()
-        await _wait_healthy(server, startup_timeout_s)
-        log.info("vLLM server on port %d healthy after %.1fs", port, time.monotonic() - t0)
-        yield server
-    finally:
-        try:
-            await server.stop()
-        except BaseException:
-            server.kill()  # cancelled or timed out while stopping: leave no orphan behind
-            raise
+    return ServerProcess(process=process, port=port, model_dir=Path(model_dir), log_path=log_path, rpc_dir=rpc_dir)
