@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="16 groups per phase instead of 32")
     p.add_argument("--groups", type=int, help="groups (prompts) per phase (default 32, quick 16)")
-    p.add_argument("--pairs", type=int, default=2, help="(raw, pipe) pairs measured")
+    p.add_argument("--pairs", type=int, default=4, help="(raw, pipe) pairs measured (two pairs swung the ratio by 3%%)")
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-inflight", type=int, default=8, help="groups in flight (raw workers / producer slots)")

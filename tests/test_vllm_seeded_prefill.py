@@ -11,8 +11,7 @@ from asyncrl.config import SamplingConfig
 from asyncrl.engines.vllm_local.config import is_cpu_platform
 from tests.support import engine_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="function"),
-              pytest.mark.skipif(not is_cpu_platform(), reason="the trap is vLLM CPU's")]
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not is_cpu_platform(), reason="the trap is vLLM CPU's")]
 
 BUDGET = 128  # tokens per scheduler step; the prompts below need several steps
 
@@ -21,6 +20,7 @@ def _prompts(tokenizer, count: int) -> list[tuple[int, ...]]:
     return [tuple(tokenizer(f"{i}+{i}=" * 6).input_ids) for i in range(count)]  # ~30-40 tokens each
 
 
+@pytest.mark.asyncio(loop_scope="function")
 async def test_the_in_process_engine_takes_more_seeded_prompts_than_one_step_holds(tiny_model_dir, tokenizer):
     import asyncio
 
