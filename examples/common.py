@@ -453,12 +453,18 @@ class EvalHook:
             metrics["eval/accuracy"] = await self.evaluate(step)
 
 
-def lr_warmup(optimizer: Any, steps: int) -> Callable[[int, dict[str, float]], None]:
-    """A learner hook ramping the learning rate linearly over the first ``steps`` steps: Adam's first updates
-    move every weight by about lr whatever the gradient, which can wreck a tiny policy at once."""
+def lr_schedule(optimizer: Any, warmup: int = 0, decay_to: int = 0) -> Callable[[int, dict[str, float]], None]:
+    """A learner hook shaping the learning rate: a linear ramp over the first ``warmup`` steps (Adam's first
+    updates move every weight by about lr whatever the gradient, which can wreck a tiny policy at once), then,
+    with ``decay_to`` > 0, a linear decay reaching 0 at step ``decay_to`` (a tiny policy's greedy answers flip
+    from one step to the next; a vanishing step lets the last ones settle)."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    schedule = LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / steps))
+    def factor(step: int) -> float:
+        ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        return ramp * (max(0.0, 1.0 - step / decay_to) if decay_to else 1.0)
+
+    schedule = LambdaLR(optimizer, factor)
     return lambda step, metrics: schedule.step()
 
 

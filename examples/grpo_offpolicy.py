@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     rl.add_argument("--lr", type=float, default=3e-4)
     rl.add_argument("--lr-warmup", type=int, default=0, help="learner steps over which lr ramps up linearly")
+    rl.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=False,
+                    help="decay lr linearly to 0 at the last step")
     rl.add_argument("--max-staleness", type=int, default=2, help="versions a group may lag the learner")
     rl.add_argument("--queue-capacity", type=int, default=0,
                     help="0 = batch-groups x max(1, max-staleness - 1), see common.queue_capacity")
@@ -211,8 +213,9 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
         pipeline = build_pipeline(args, config, engine, task, tok, model_dir, monitor)
         progress = common.ProgressHook(args.steps, disable=args.no_progress)
         pipeline.learner.hooks += [evals, progress]
-        if args.lr_warmup:
-            pipeline.learner.hooks.append(common.lr_warmup(pipeline.learner.optimizer, args.lr_warmup))
+        if args.lr_warmup or args.lr_decay:
+            pipeline.learner.hooks.append(common.lr_schedule(pipeline.learner.optimizer, args.lr_warmup,
+                                                             args.steps if args.lr_decay else 0))
         stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
         progress.close()
         if pipeline.learner.step % args.sync_every:  # the last steps were not published yet

@@ -116,3 +116,21 @@ def test_prompts_file_parquet_in_verl_format(tmp_path: Path) -> None:
     assert all(isinstance(ex.prompt, list) for ex in task.train)
     ex = task.held_out[0]
     assert task.reward(ex.answer, ex.answer) == 1.0
+
+
+def test_lr_schedule_ramps_up_then_decays_to_zero_at_the_last_step() -> None:
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hook = common.lr_schedule(optimizer, warmup=2, decay_to=4)
+    seen = [optimizer.param_groups[0]["lr"]]
+    for step in range(1, 5):
+        optimizer.step()  # the learner steps, then runs its hooks
+        hook(step, {})
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([0.5, 0.75, 0.5, 0.25, 0.0])
+    flat = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    flat_hook = common.lr_schedule(flat, warmup=0, decay_to=0)
+    flat.step()
+    flat_hook(1, {})
+    assert flat.param_groups[0]["lr"] == 1.0
