@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--warm-target", type=float, default=0.3, help="stop SFT at this held-out accuracy")
     tiny.add_argument("--warm-max-steps", type=int, default=3000)
-    tiny.add_argument("--warm-lr", type=float, default=3e-3)
+    tiny.add_argument("--warm-lr", type=float, default=1e-3)
     tiny.add_argument("--warm-window", type=int, default=1,
                       help="stop the warm start when the mean of this many evaluations reaches the target")
     tiny.add_argument("--warm-autocast", choices=("bfloat16",), default=None,
@@ -66,9 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rl.add_argument("--batch-groups", type=int, default=16, help="groups per learner step")
     rl.add_argument("--max-tokens", type=int, default=6, help="completion length limit")
     rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    rl.add_argument("--lr", type=float, default=3e-4)
-    rl.add_argument("--lr-warmup", type=int, default=0, help="learner steps over which lr ramps up linearly")
-    rl.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=False,
+    rl.add_argument("--lr", type=float, default=6e-4)
+    rl.add_argument("--lr-warmup", type=int, default=25, help="learner steps over which lr ramps up linearly")
+    rl.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=True,
                     help="decay lr linearly to 0 at the last step")
     rl.add_argument("--max-staleness", type=int, default=2, help="versions a group may lag the learner")
     rl.add_argument("--queue-capacity", type=int, default=0,
