@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rl.add_argument("--batch-groups", type=int, default=16, help="groups per learner step")
     rl.add_argument("--max-tokens", type=int, default=6, help="completion length limit")
     rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    rl.add_argument("--lr", type=float, default=6e-4)
+    rl.add_argument("--lr", type=float, default=3e-4)
     rl.add_argument("--lr-warmup", type=int, default=25, help="learner steps over which lr ramps up linearly")
     rl.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=True,
                     help="decay lr linearly to 0 at the last step")
