@@ -25,6 +25,7 @@ loadable by transformers and vLLM). Ctrl-C stops cleanly: the run is cancelled a
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import shutil
@@ -195,6 +196,8 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     """Engine up -> accuracy before -> GRPO for ``args.steps`` -> accuracy after -> save. Always shuts down."""
     from transformers import AutoTokenizer
 
+    common.cancel_on_sigterm()
+
     from asyncrl.engines.vllm_local import VLLMEngine
     from asyncrl.metrics import make_monitor
 
@@ -296,3 +299,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
         sys.exit(130)
+    except asyncio.CancelledError:  # SIGTERM (common.cancel_on_sigterm)
+        print("\nterminated: run cancelled, engine shut down", file=sys.stderr)
+        sys.exit(143)
