@@ -184,7 +184,9 @@ async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, A
 
     ex = example_args(args)
     extra, env = server_args(args)
-    log = Path(args.out) / f"vllm-server-{args.model_dir.name}.log"  # kept beside the results, for post-mortems
+    # Beside the results when they go somewhere of the caller's ($OUT on a GPU host), never into bench/results.
+    own_out = Path(args.out).resolve() != common.RESULTS.resolve()
+    log = Path(args.out) / f"vllm-server-{args.model_dir.name}.log" if own_out else None
     async with start_vllm_server(args.model_dir, free_port(), extra_args=extra, env=env, log_path=log) as server:
         pool, target = await example.connect(ex, [server.base_url], backend.ctx.local_rank)
         pipe = sharded_pipeline(pool, backend, example.prompts(ex), example.reward_fn(ex),

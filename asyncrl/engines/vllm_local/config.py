@@ -83,6 +83,13 @@ class VLLMEngineConfig:
         return self.weight_transfer == "cuda_ipc" or (self.weight_transfer == "auto" and not is_cpu_platform())
 
 
+def whole_prompts_only() -> bool:
+    """Whether vLLM must schedule whole prompts (no chunked prefill), for the engine we run and the servers we
+    start alike. True on vLLM CPU: every request is seeded, and it cannot rewind a seeded generator after a
+    prompt split over two scheduler steps, so the engine core dies ("CPU Generator does not use offset")."""
+    return is_cpu_platform()
+
+
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
@@ -107,9 +114,6 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
     if cpu:
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
-        # Every request is seeded, and vLLM CPU cannot rewind a seeded generator after a prompt split over two
-        # steps: the engine core dies. Whole prompts only (a step then holds at least one max-length prompt).
-        kwargs["enable_chunked_prefill"] = False
     else:
         # The learner usually lives in this process and has touched CUDA already: forked workers can't.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -117,6 +121,8 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if whole_prompts_only():
+        kwargs["enable_chunked_prefill"] = False
     if cfg.sleep and not cpu:  # vLLM's CPU platform has no sleep mode (and refuses the flag)
         kwargs["enable_sleep_mode"] = True
     compilation = compilation_config(cfg)

@@ -70,11 +70,9 @@ def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()
 
 
 def _platform_args() -> list[str]:
-    """On vLLM CPU, whole prompts only: requests are seeded, and a seeded prompt split over two scheduler steps
-    kills its engine core (vLLM CPU cannot rewind the generator)."""
-    from asyncrl.engines.vllm_local.config import is_cpu_platform
+    from asyncrl.engines.vllm_local.config import whole_prompts_only
 
-    return ["--no-enable-chunked-prefill"] if is_cpu_platform() else []
+    return ["--no-enable-chunked-prefill"] if whole_prompts_only() else []
 
 
 def free_port() -> int:
