@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny.add_argument("--warm-autocast", choices=("bfloat16",), default=None,
                       help="run the warm start under bf16 autocast (numerics as on another machine)")
     rl = p.add_argument_group("GRPO")
-    rl.add_argument("--steps", type=int, default=500, help="learner steps")
+    rl.add_argument("--steps", type=int, default=1000, help="learner steps")
     rl.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
     rl.add_argument("--batch-groups", type=int, default=16, help="groups per learner step")
     rl.add_argument("--max-tokens", type=int, default=6, help="completion length limit")
