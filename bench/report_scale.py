@@ -80,11 +80,13 @@ def tool_use(r: dict[str, Any]) -> list[str]:
 
 
 def learner_speed(r: dict[str, Any]) -> list[str]:
-    rows = [["packed" if x["packing"] else "padded", "on" if x["grad_ckpt"] else "off", num(x["step_s"], 3),
+    # Files from before scoring from hidden states have no "scoring": they scored from the full logits.
+    rows = [["packed" if x["packing"] else "padded", "on" if x["grad_ckpt"] else "off", x.get("scoring", "logits"),
+             num(x["step_s"], 3),
              num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
              f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
             for x in r["runs"]]
-    return table(["rows", "grad ckpt", "step s", "real tokens/step", "computed/real", "tokens/s", "MFU",
+    return table(["rows", "grad ckpt", "log-probs from", "step s", "real tokens/step", "computed/real", "tokens/s", "MFU",
                   "peak GiB"], rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s "
                                             "(H200 dense bf16); goal 40%."]
 

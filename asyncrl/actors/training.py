@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 from asyncrl.algorithms.losses import Loss, SkipsInertGroups
 from asyncrl.algorithms.rows import packed_scoring
@@ -89,8 +90,8 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
     up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows.
     ``grad_sync(last)`` runs before each backward: a sharded model reduces its gradients on the last one only."""
-    batch_loss = 0.0
-    sums: dict[str, float] = {}
+    batch_loss: Tensor | float = 0.0
+    sums: dict[str, Tensor | float] = {}
     for i, chunk in enumerate(parts):
         if grad_sync is not None:
             grad_sync(i == len(parts) - 1)
@@ -100,11 +101,22 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
             weighted.backward()
-        batch_loss += float(weighted.detach())
+        batch_loss = batch_loss + weighted.detach()
         share = len(chunk.groups) / active_groups if chunk.real else 0.0
         for k, v in out.metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v) * share
-    return batch_loss, sums
+            sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v) * share
+    return read_all(batch_loss, sums)
+
+
+def read_all(batch_loss: Tensor | float, sums: dict[str, Tensor | float]) -> tuple[float, dict[str, float]]:
+    """Device values to floats in one transfer: each separate read stalls the host until the device catches
+    up, and the device then idles while the host queues the next kernels."""
+    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
+    values = [torch.as_tensor(batch_loss, dtype=torch.float32)] + [sums[k] for k in keys]  # type: ignore[misc]
+    device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
+    read = torch.stack([v.to(device=device, dtype=torch.float32).reshape(()) for v in values]).tolist()
+    out = dict(zip(keys, read[1:]))
+    return read[0], {k: out[k] if k in out else float(v) for k, v in sums.items()}
 
 
 def zero_grads(model: torch.nn.Module) -> None:

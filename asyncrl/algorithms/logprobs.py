@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms.rows import packed_rows, packing_enabled, padded_rows
+from asyncrl.algorithms.head import chosen_logprobs, decoder_and_head
+from asyncrl.algorithms.rows import Rows, packed_rows, packing_enabled, padded_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,7 @@ class CompletionLogprobs:
     logprobs: Tensor  # [B, T] float32 log-prob (nats) of each completion token under logits / T; 0 where masked
     entropy: Tensor | None  # [B, T] float32 entropy (nats) of the same tempered distribution; None unless asked
     mask: Tensor  # [B, T] float32: 1 for a completion token that is trained on, 0 for padding (and env tokens)
+    num_scored: int  # tokens with mask 1 (counted on the host, so reading it never waits for the device)
 
 
 def completion_logprobs(
@@ -38,7 +40,10 @@ def completion_logprobs(
     multi-turn trajectories that are scored: environment tokens (0) are in the context of the tokens after them
     but get mask 0, log-prob 0 and entropy 0. Without it every completion token is scored, as before.
 
-    ``model`` is any causal LM called as ``model(input_ids=, attention_mask=, position_ids=).logits``.
+    ``model`` is any causal LM called as ``model(input_ids=, attention_mask=, position_ids=).logits``. A
+    transformers Llama, Mistral or Qwen decoder that is not sharded is instead run up to its last hidden states,
+    and only the scored positions go through the vocabulary projection, chunk by chunk
+    (``asyncrl.algorithms.head``): same values up to float rounding, a fraction of the memory and time.
     Rows are right-padded, so causal attention never lets a real token see padding and each row's
     positions are the ones it would get alone: the result matches scoring every row on its own (up to
     float rounding). Logits are divided by ``temperature`` and normalised in float32, which is what the
@@ -53,17 +58,44 @@ def completion_logprobs(
     pack = packing_enabled() if packed is None else packed
     layout = packed_rows if pack else padded_rows
     batch = layout(prompts, completions, pad_id, _device_of(model), loss_masks)
-    if batch.packed:  # no 2D mask and no cache: what makes transformers derive the mask from position_ids
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    parts = decoder_and_head(model)
+    if parts is not None:
+        logprobs, entropy = _from_hidden(*parts, batch, temperature, with_entropy)
     else:
-        logits = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits
+        logprobs, entropy = _from_logits(model, batch, temperature, with_entropy)
+    return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask, num_scored=len(batch.scored))
+
+
+def _model_inputs(batch: Rows) -> dict[str, Tensor | bool | None]:
+    if batch.packed:  # no 2D mask and no cache: what makes transformers derive the mask from position_ids
+        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "position_ids": batch.position_ids}
+
+
+def _from_logits(model: torch.nn.Module, batch: Rows, temperature: float,
+                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    logits = model(**_model_inputs(batch)).logits
     # Only the positions that predict completion tokens are normalised: [B, T, V], not [rows, L, V].
     scored = torch.log_softmax(logits[batch.row_of[:, None], batch.score_at].float() / temperature, dim=-1)
     logprobs = scored.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
     entropy = -(scored.exp() * scored).sum(-1) * batch.mask if with_entropy else None
-    return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask)
+    return logprobs, entropy
+
+
+def _from_hidden(decoder: torch.nn.Module, head: torch.nn.Linear, batch: Rows, temperature: float,
+                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    inputs = {**_model_inputs(batch), "use_cache": False}
+    hidden = decoder(**inputs).last_hidden_state
+    chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.hidden_at)
+    targets = batch.targets.flatten().index_select(0, batch.scored)
+    lp, ent = chosen_logprobs(chosen, head.weight, targets, temperature, with_entropy)
+
+    def spread(values: Tensor) -> Tensor:  # [M] back onto the [N, T] grid, 0 where nothing is scored
+        return torch.zeros(batch.mask.numel(), dtype=values.dtype, device=values.device).index_copy(
+            0, batch.scored, values).view_as(batch.mask)
+
+    return spread(lp), (spread(ent) if ent is not None else None)
 
 
 def _check_inputs(

@@ -83,7 +83,9 @@ class LossOutput:
     """What a loss hands the learner for one (micro-)batch."""
 
     loss: Tensor  # scalar with grad, already normalised per ``LossConfig.length_norm``
-    metrics: Mapping[str, float]  # ``loss/*`` and ``train/*`` gauges of this batch
+    # ``loss/*`` and ``train/*`` gauges of this batch. Values may be 0-dim tensors: the learner reads them all
+    # at once after the step's last backward, since each read of a device value stalls the host until then.
+    metrics: Mapping[str, float | Tensor]
     num_tokens: int  # completion tokens scored, for weighting micro-batches against each other
 
 
@@ -162,9 +164,9 @@ def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
     return per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> float:
-    """Mean over real tokens, as a float (0.0 when there are none)."""
-    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over real tokens as a detached 0-dim tensor (0 when there are none)."""
+    return (values.detach() * mask).sum() / mask.sum().clamp(min=1)
 
 
 def policy_loss(
@@ -176,8 +178,9 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics (detached
+    0-dim tensors).
 
     ``logp`` (current, with grad), ``old_logp`` (proximal; pass ``logp.detach()`` when the learner has no
     separate one), ``behaviour_logp``, ``ref_logp``, ``entropy`` and ``mask`` are ``[B, T]``;
@@ -192,7 +195,7 @@ def policy_loss(
     loss = policy
     behaviour_log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
     metrics = {
-        "loss/policy": float(policy.detach()),
+        "loss/policy": policy.detach(),
         "loss/clip_frac": masked_mean(clipped, mask),
         "loss/is_trunc_frac": masked_mean(truncated, mask),
         "loss/is_weight_mean": masked_mean(weight, mask),
@@ -206,7 +209,7 @@ def policy_loss(
     if entropy is not None:
         loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg)
         metrics["loss/entropy"] = masked_mean(entropy, mask)
-    metrics["loss/total"] = float(loss.detach())
+    metrics["loss/total"] = loss.detach()
     return loss, metrics
 
 
@@ -261,13 +264,14 @@ class GRPOLoss:
                                      pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0,
                                      loss_masks=masks if any(m is not None for m in masks) else None)
         device = scored.logprobs.device
-        advantages = self.advantages(groups).to(device)
+        advantages = self.advantages(groups)
         behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
-        loss, metrics = policy_loss(scored.logprobs, old, behaviour, advantages, scored.mask, self.cfg,
-                                    ref_logp=self._ref_logprobs(prompts, completions), entropy=scored.entropy)
-        metrics.update(_batch_metrics(rollouts, advantages))
-        return LossOutput(loss=loss, metrics=metrics, num_tokens=int(scored.mask.sum()))
+        loss, metrics = policy_loss(scored.logprobs, old, behaviour, advantages.to(device), scored.mask,
+                                    self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
+                                    entropy=scored.entropy)
+        out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
+        return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
 
     def inert(self, group: RolloutGroup) -> bool:
         # Equal rewards give every rollout advantage 0, so each policy term is 0 * (bounded ratio terms) with

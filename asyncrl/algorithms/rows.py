@@ -50,6 +50,8 @@ class Rows:
     score_at: Tensor  # [N, T] long: index (in that row) whose logits predict each completion token
     targets: Tensor  # [N, T] long: the completion tokens, padded with ``pad_id``
     mask: Tensor  # [N, T] float32, 1 for a scored completion token
+    scored: Tensor  # [M] long: flat index into [N, T] of each scored token (mask 1), in order
+    hidden_at: Tensor  # [M] long: flat index into [R, L] of the position that predicts it
 
     @property
     def packed(self) -> bool:
@@ -116,7 +118,10 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
         mask[i, :k] = 1.0 if row_mask is None else torch.tensor(list(row_mask), dtype=torch.float32)
     for row, (end, pos) in enumerate(last_end):  # tail padding: after every real token, so causally unseen
         position_ids[row, end:] = torch.arange(pos, pos + width - end)
-    tensors = [t.to(device) for t in (input_ids, attention_mask, position_ids, row_of, score_at, targets, mask)]
+    scored = mask.flatten().nonzero().squeeze(1)  # on the host: finding them on the device would sync it
+    hidden_at = (row_of[:, None] * width + score_at).flatten()[scored]
+    tensors = [t.to(device) for t in (input_ids, attention_mask, position_ids, row_of, score_at, targets, mask,
+                                      scored, hidden_at)]
     if packed:
         tensors[1] = None
     return Rows(*tensors)

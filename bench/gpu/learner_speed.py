@@ -4,6 +4,7 @@ without gradient checkpointing, on synthetic RL batches (completion lengths vary
     python -m bench.gpu.learner_speed --shape qwen2-0.5b                         # padded rows (the default)
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --grad-ckpt   # one variant
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --all                   # all four, one file
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --micro-batch-tokens 16384 --scoring both
     python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
 
 The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
@@ -12,13 +13,16 @@ copy with the same seed through ``LocalBackend``: one warm-up step, then ``--ste
 and packed runs are comparable; ``computed_tokens_per_step`` is what the forward actually processed (padding
 included); ``mfu = 6 * params * tokens_per_s / peak_flops`` (the usual dense estimate: attention FLOPs and
 gradient checkpointing's recomputation are not counted as useful work). ``--peak-flops`` defaults to an
-H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory allocated.
+H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory allocated. ``--scoring both`` runs each
+variant twice, side by side: log-probs from the last hidden states (the learner's path) and from the model's
+full logits (the path before it).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
 import time
 from typing import Any
@@ -35,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--packing", action="store_true", help="LearnerConfig(packing=True)")
     p.add_argument("--grad-ckpt", action="store_true", help="LearnerConfig(gradient_checkpointing=True)")
     p.add_argument("--all", action="store_true", help="every packing x grad-ckpt combination")
+    p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
+                   help="log-probs from the last hidden states, chunked (the learner's path for transformers "
+                        "decoders), or from the model's full logits (the path before it); both: side by side")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up)")
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
@@ -86,7 +93,21 @@ def computed_tokens(groups: list[Any], cfg: Any) -> int:
     return total
 
 
-def measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool) -> dict[str, Any]:
+def measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool,
+            scoring: str = "hidden") -> dict[str, Any]:
+    import torch
+
+    from asyncrl.algorithms import logprobs
+
+    chosen = logprobs.decoder_and_head
+    logprobs.decoder_and_head = chosen if scoring == "hidden" else (lambda _model: None)
+    try:
+        return _measure(args, base, packing, grad_ckpt) | {"scoring": scoring}
+    finally:
+        logprobs.decoder_and_head = chosen
+
+
+def _measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool) -> dict[str, Any]:
     import torch
 
     from asyncrl.actors.training import LocalBackend, forward_tokens
@@ -133,13 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         variants = [(args.packing, args.grad_ckpt)]
     runs = []
-    for packing, grad_ckpt in variants:
-        r = measure(args, base, packing, grad_ckpt)
+    scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
+    for (packing, grad_ckpt), scoring in itertools.product(variants, scorings):
+        r = measure(args, base, packing, grad_ckpt, scoring)
         runs.append(r)
         waste = r["computed_tokens_per_step"] / r["tokens_per_step"]
-        print(f"packing={packing} grad_ckpt={grad_ckpt}: {r['tokens_per_s']:.0f} tokens/s, MFU "
-              f"{100 * r['mfu']:.3f}%, computed/real tokens {waste:.2f}", flush=True)
+        print(f"packing={packing} grad_ckpt={grad_ckpt} scoring={scoring}: {r['tokens_per_s']:.0f} tokens/s, "
+              f"MFU {100 * r['mfu']:.3f}%, computed/real tokens {waste:.2f}", flush=True)
     suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
+    suffix += "_scoring" if args.scoring == "both" else ""
     result.write({"shape": args.shape, "runs": runs}, suffix=suffix)
 
 

@@ -1,0 +1,110 @@
+"""Log-probs (and entropy) of chosen tokens straight from the decoder's last hidden states, a chunk of positions
+at a time, never holding the ``[tokens, vocab]`` logits in float32.
+
+Scoring through ``model(...).logits`` keeps, for the backward, bf16 logits at every position plus a float32
+copy of the scored ones, their tempered copy and their log-softmax: for a 16k-token micro-batch of a
+Qwen2-0.5B shape (vocabulary 151,936) that is about 40 GB, and the passes over it took about a fifth of a
+learner step's device time on an H200. Here each chunk's logits are formed, reduced to the chosen token's
+log-prob and the log-normaliser, and dropped; the backward forms them again chunk by chunk (one more
+vocabulary matmul, cheaper than the memory traffic it replaces). Only completion tokens that are scored go
+through the vocabulary projection, not prompt or padding positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Decoders whose causal-LM forward is exactly ``lm_head(decoder(...).last_hidden_state)``: no logit scaling
+# or soft-capping that scoring from hidden states would skip.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+CHUNK_ELEMENTS = 1 << 28  # float32 logits per chunk (1 GiB): a few chunks per micro-batch, each a large matmul
+
+
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """The decoder and output projection to score from hidden states, or None where the model must be called
+    whole: an unknown architecture, a biased head, or a sharded (FSDP) model, whose root-level parameters are
+    gathered only by the root module's own forward."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or decoder is None or decoder is model:
+        return None
+    if _sharded(model):
+        return None
+    return decoder, head
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch build without distributed: nothing can be sharded
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def chosen_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``[M]`` float32 log-probs of ``targets`` under ``hidden @ weight.T / temperature`` (``hidden`` ``[M, H]``,
+    ``weight`` ``[V, H]``), and the entropy of the same distribution when asked. Differentiable in ``hidden``
+    and ``weight``; under autocast the projection runs in autocast's dtype, as ``nn.Linear`` would."""
+    chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    logprobs, entropy = _ChosenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, with_entropy)
+    return logprobs, (entropy if with_entropy else None)
+
+
+def _tempered(raw: Tensor, temperature: float) -> Tensor:
+    z = raw.float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,  # type: ignore[override]
+                chunk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+        m = hidden.shape[0]
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        logprobs, entropy = torch.empty_like(lse), torch.zeros_like(lse)
+        dtype = hidden.dtype
+        for s in range(0, m, chunk):
+            e = s + chunk
+            raw = torch.nn.functional.linear(hidden[s:e], weight)  # autocast picks its dtype, as for nn.Linear
+            dtype = raw.dtype
+            z = _tempered(raw, temperature)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logprobs[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            if with_entropy:
+                entropy[s:e] = lse[s:e] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.dtype = temperature, chunk, with_entropy, dtype
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor | None):  # type: ignore[override]
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        dt, t = ctx.dtype, ctx.temperature
+        h_all, w = hidden.to(dt), weight.to(dt)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            h = h_all[s:e]
+            z = _tempered(torch.nn.functional.linear(h, w), t)
+            # d logp_target / dz = onehot(target) - p;  d entropy / dz = -p * (z - E_p[z]), E_p[z] = lse - entropy
+            wants_entropy = ctx.with_entropy and grad_entropy is not None
+            spread = z - (lse[s:e] - entropy[s:e])[:, None] if wants_entropy else None
+            p = z.sub_(lse[s:e, None]).exp_()  # in place: at 150k vocabulary each pass over z is costly
+            g_ent = None if spread is None else spread.mul_(p).mul_(grad_entropy[s:e, None])
+            g = p.mul_(-grad_logprobs[s:e, None])
+            g.scatter_add_(-1, targets[s:e, None], grad_logprobs[s:e, None])
+            if g_ent is not None:
+                g.sub_(g_ent)
+            g = (g.div_(t) if t != 1.0 else g).to(dt)
+            if grad_hidden is not None:
+                grad_hidden[s:e] = (g @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += g.T @ h
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
