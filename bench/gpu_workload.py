@@ -441,7 +441,10 @@ class Report:
 
 
 def summarise(results: dict[str, Any]) -> dict[str, Any]:
-    """Ours over TRL's, per shape: samples/s (whole run and steady) for each pairing that ran."""
+    """Ours over TRL's, per shape: trained samples/s (whole run and steady) and completion tokens/s (``_tokens``)
+    for each pairing that ran. Both matter: a side that trains shorter completions (streaming producers hand the
+    learner the groups that finish first, and drop stale ones, which run long) gains samples/s that tokens/s
+    does not show."""
     out: dict[str, Any] = {}
     pairs = [("async", "trl"), ("async", "trl_sleep"), ("sync", "trl"), ("sync", "trl_sleep"),
              ("async", "trl_async"), ("async", "sync")]
@@ -453,6 +456,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
                 continue
             key = f"{shape}/{a}_over_{b}"
             out[key] = x["samples_per_s"] / y["samples_per_s"]
+            out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
             if "samples_per_s_steady" in x and "samples_per_s_steady" in y:
                 out[key + "_steady"] = x["samples_per_s_steady"] / y["samples_per_s_steady"]
         if "generation_limit_ratio" in mine:

@@ -49,9 +49,18 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
         lines += [f"**{shape}** ({num(x['warm_start'].get('params', 0) / 1e6, 0)}M parameters)", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward"], rows) + [""]
-    ratios = ", ".join(f"{k.split('/')[-1]} {num(v)}x" for k, v in r.get("summary", {}).items()
-                       if not k.endswith("_steady"))
-    return lines + [f"Ratios (whole run): {ratios}."]
+    from bench.gpu_workload import summarise  # from the sides' figures, so files from before _tokens get it too
+
+    summary = summarise({k: v for k, v in r.items() if k != "summary" and isinstance(v, dict)})
+
+    def ratios(tokens: bool) -> str:
+        return ", ".join(f"{k.split('/')[-1].removesuffix('_tokens')} {num(v)}x" for k, v in summary.items()
+                         if k.endswith("_tokens") == tokens and not k.endswith("_steady")
+                         and "generation_limit" not in k)
+
+    return lines + [f"Ratios over the whole run, trained samples/s: {ratios(False)}.",
+                    f"Completion tokens/s: {ratios(True)}. Where a side trains shorter completions than "
+                    "another (mean length), its samples/s ratio flatters it; the tokens/s ratio does not."]
 
 
 def sleep_mode(r: dict[str, Any]) -> list[str]:
