@@ -153,11 +153,21 @@ def section(path: Path) -> list[str]:
             *repeat_line(name, path), ""]
 
 
-# The benchmarks run twice (the first run's file under results/repeats/): the headline of the other run.
+# Benchmarks run more than once keep an earlier run's file under results/repeats/: its headline is shown too.
 REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
     "engine_limit": lambda r: f"ratio **{num(r['ratio'], 3)}** (pairs {', '.join(num(x, 3) for x in r['pair_ratios'])})",
     "queue_micro": lambda r: f"**{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 **{num(r['p99_ms'], 3)} ms**",
+    "gpu_workload": lambda r: _workload_ratios(r),
 }
+
+
+def _workload_ratios(r: dict[str, Any]) -> str:
+    from bench.gpu_workload import summarise
+
+    summary = summarise({k: v for k, v in r.items() if k != "summary" and isinstance(v, dict)})
+    wanted = {"async_over_trl": "ours async over TRL, samples/s", "async_over_trl_tokens": "tokens/s"}
+    return ", ".join(f"{wanted[k.split('/')[-1]]} **{num(v)}x** ({k.split('/')[0]})" for k, v in summary.items()
+                     if k.split("/")[-1] in wanted)
 
 
 def repeat_line(name: str, path: Path) -> list[str]:
@@ -166,7 +176,7 @@ def repeat_line(name: str, path: Path) -> list[str]:
         return []
     doc = json.loads(other.read_text())
     load = doc["hardware"].get("loadavg_at_start", [None])[0], doc["hardware"].get("loadavg_at_end", [None])[0]
-    return ["", f"The same command run just before (`{other.relative_to(common.ROOT)}`, {str(doc['date'])[:16]}, "
+    return ["", f"An earlier run of the same command (`{other.relative_to(common.ROOT)}`, {str(doc['date'])[:16]}, "
                 f"load {num(load[0], 1)} -> {num(load[1], 1)}): {REPEATS[name](results_of(doc))}."]
 
 
