@@ -71,8 +71,19 @@ async def test_an_engine_closed_or_cancelled_while_starting_leaves_no_socket_fil
     assert not list(base.iterdir())
 
 
+@pytest.fixture
+def logs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The temp dir where servers put their default logs, for this test alone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _server_logs(logs: Path) -> list[Path]:
+    return sorted(logs.glob("vllm-server-*.log"))
+
+
 async def test_a_server_killed_or_cancelled_while_starting_leaves_no_socket_file(tiny_model_dir: Path,
-                                                                                 base: Path) -> None:
+                                                                                 base: Path, logs: Path) -> None:
     async with start_vllm_server(tiny_model_dir, free_port(), extra_args=SERVER_TEST_ARGS) as server:
         assert server.rpc_dir is not None and server.rpc_dir.parent == base
         assert _bound_sockets(base)()
@@ -88,4 +99,14 @@ async def test_a_server_killed_or_cancelled_while_starting_leaves_no_socket_file
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert not list(base.iterdir())
+    assert not _server_logs(logs), "default server logs are removed after a clean exit or a cancellation"
+
+
+async def test_a_server_that_fails_to_start_keeps_its_log(tmp_path: Path, base: Path, logs: Path) -> None:
+    with pytest.raises(RuntimeError, match="exited with code") as err:
+        async with start_vllm_server(tmp_path / "no-model-here", free_port(), extra_args=SERVER_TEST_ARGS):
+            pytest.fail("a server without a model became healthy")
+    [kept] = _server_logs(logs)  # the post-mortem evidence stays, and the error quotes its tail
+    assert kept.stat().st_size > 0 and "no-model-here" in str(err.value) + kept.read_text()
     assert not list(base.iterdir())

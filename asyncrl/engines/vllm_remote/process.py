@@ -198,35 +198,49 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
     /health answers. On exit (normal, error or cancellation) the whole group is terminated.
 
     ``env`` is added on top of ``DEFAULT_ENV`` and this process's environment, less a launcher's variables
-    (``server_env``), so a learner rank under torchrun can start one. The log goes to ``log_path``
-    (default: a new file under the temp dir, kept for post-mortems). vLLM's IPC sockets go to a private
+    (``server_env``), so a learner rank under torchrun can start one. The log goes to ``log_path``, else to a
+    new file under the temp dir that is removed after a clean exit or a cancellation and kept, for the
+    post-mortem, when the server failed to start or the block raised. vLLM's IPC sockets go to a private
     directory under ``VLLM_RPC_BASE_PATH`` (``env``'s, else this process's, else the temp dir), removed on exit.
     """
     rpc_dir = make_rpc_dir((env or {}).get(RPC_ENV))
+    temp_log = None if log_path is not None else _temp_log(port)
+    failed = True
     try:
-        server = await _spawn(model_dir, port, extra_args, {**(env or {}), RPC_ENV: str(rpc_dir)}, log_path,
-                              rpc_dir)
+        server = await _spawn(model_dir, port, extra_args, {**(env or {}), RPC_ENV: str(rpc_dir)},
+                              log_path or temp_log, rpc_dir)
         try:
             t0 = time.monotonic()
             await _wait_healthy(server, startup_timeout_s)
             log.info("vLLM server on port %d healthy after %.1fs", port, time.monotonic() - t0)
             yield server
+            failed = False
         finally:
             try:
                 await server.stop()
             except BaseException:
                 server.kill()  # cancelled or timed out while stopping: leave no orphan behind
                 raise
+    except asyncio.CancelledError:
+        failed = False  # stopped on purpose: nothing to look into
+        raise
     finally:
         remove_rpc_dir(rpc_dir)  # every process of the group is gone (or SIGKILLed): nothing binds there now
+        if temp_log is not None:
+            if failed:
+                log.warning("vLLM server log kept for the post-mortem: %s", temp_log)
+            else:
+                temp_log.unlink(missing_ok=True)
+
+
+def _temp_log(port: int) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
+    os.close(fd)
+    return Path(name)
 
 
 async def _spawn(model_dir: str | Path, port: int, extra_args: Sequence[str], env: Mapping[str, str],
-                 log_path: str | Path | None, rpc_dir: Path) -> ServerProcess:
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"vllm-server-{port}-", suffix=".log")
-        os.close(fd)
-        log_path = name
+                 log_path: str | Path, rpc_dir: Path) -> ServerProcess:
     log_path = Path(log_path)
     with log_path.open("ab") as log_file:
         # A file, not a pipe: nobody would drain a pipe, and a full pipe blocks the server.
