@@ -449,6 +449,8 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     pairs = [("async", "trl"), ("async", "trl_sleep"), ("sync", "trl"), ("sync", "trl_sleep"),
              ("async", "trl_async"), ("async", "sync")]
     for shape, r in results.items():
+        if shape == "summary" or not isinstance(r, dict):  # a result file's own summary: not a shape
+            continue
         mine = r.get("ours", {})
         for a, b in pairs:
             x, y = mine.get(a), mine.get(b) or r.get(b)

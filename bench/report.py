@@ -164,7 +164,7 @@ REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
 def _workload_ratios(r: dict[str, Any]) -> str:
     from bench.gpu_workload import summarise
 
-    summary = summarise({k: v for k, v in r.items() if k != "summary" and isinstance(v, dict)})
+    summary = summarise(r)
     wanted = {"async_over_trl": "ours async over TRL, samples/s", "async_over_trl_tokens": "tokens/s"}
     return ", ".join(f"{wanted[k.split('/')[-1]]} **{num(v)}x** ({k.split('/')[0]})" for k, v in summary.items()
                      if k.split("/")[-1] in wanted)

@@ -51,7 +51,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                         "mean reward"], rows) + [""]
     from bench.gpu_workload import summarise  # from the sides' figures, so files from before _tokens get it too
 
-    summary = summarise({k: v for k, v in r.items() if k != "summary" and isinstance(v, dict)})
+    summary = summarise(r)
 
     def ratios(tokens: bool) -> str:
         return ", ".join(f"{k.split('/')[-1].removesuffix('_tokens')} {num(v)}x" for k, v in summary.items()
@@ -95,7 +95,8 @@ def learner_speed(r: dict[str, Any]) -> list[str]:
              num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
              f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
             for x in r["runs"]]
-    return table(["rows", "grad ckpt", "log-probs from", "step s", "real tokens/step", "computed/real", "tokens/s", "MFU",
+    return table(["rows", "grad ckpt", "log-probs from", "step s", "real tokens/step", "computed/real", "tokens/s",
+                  "MFU",
                   "peak GiB"], rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s "
                                             "(H200 dense bf16); goal 40%."]
 

@@ -85,8 +85,7 @@ RUN_ARGS = ["--steps", "3", "--batch-groups", "4", "--group-size", "4", "--max-t
 @pytest.mark.timeout(240)
 @pytest.mark.asyncio(loop_scope="module")
 async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server, tiny_model_dir: Path,
-                                                                         tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                         tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from asyncrl.algorithms.logprobs import completion_logprobs
@@ -104,15 +103,15 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     # The same batches through the single-process learner: the same losses and the same weights. Both score
     # from the full logits, as a sharded model must (test_scoring_head checks that scoring from hidden states,
     # the unsharded default, agrees with it; Adam would turn that rounding into 3e-5 after three steps).
-    from asyncrl.algorithms import logprobs
+    from asyncrl.algorithms.head import scoring_from_logits
 
-    monkeypatch.setattr(logprobs, "decoder_and_head", lambda _model: None)
     args = example.parse_args(argv)
     model = load_hf_model(tiny_model_dir)
     cfg = example.learner_config(args)
     local = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=args.lr), example.make_loss(args), cfg)
     assert any(not is_inert(local.loss, cfg, g) for b in batches for g in b), "nothing was trained"
-    metrics = [local.train_step(b, i) for i, b in enumerate(batches)]
+    with scoring_from_logits():
+        metrics = [local.train_step(b, i) for i, b in enumerate(batches)]
     assert [m["loss/total"] for m in metrics] == pytest.approx(result["losses"], abs=1e-5)
     assert [m["train/grad_norm"] for m in metrics] == pytest.approx(result["grad_norms"], rel=1e-5, abs=1e-6)
     sharded = {k: v for f in (tmp_path / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -126,7 +125,7 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     assert moved > 1e-4  # the steps did change the weights
 
     # The server serves the sharded learner's last publication.
-    with torch.no_grad():
+    with torch.no_grad(), scoring_from_logits():
         for ids, got in zip(_script("fsdp_learner").SEQS, result["engine_logprobs"], strict=True):
             want = completion_logprobs(model, [ids[:1]], [ids[1:]]).logprobs[0].tolist()
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL

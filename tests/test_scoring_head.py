@@ -4,6 +4,7 @@ must keep the whole-model path get it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from asyncrl.algorithms import head as head_mod
-from asyncrl.algorithms import logprobs as logprobs_mod
 from asyncrl.algorithms.logprobs import completion_logprobs
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
@@ -28,11 +28,9 @@ def _qwen(vocab: int = 97) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg)
 
 
-def _score(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, fused: bool, **kw: Any) -> tuple[Any, dict]:
+def _score(model: torch.nn.Module, fused: bool, **kw: Any) -> tuple[Any, dict]:
     model = copy.deepcopy(model)
-    with monkeypatch.context() as m:
-        if not fused:
-            m.setattr(logprobs_mod, "decoder_and_head", lambda _model: None)
+    with contextlib.nullcontext() if fused else head_mod.scoring_from_logits():
         out = completion_logprobs(model, PROMPTS, COMPLETIONS, loss_masks=MASKS, **kw)
     weights = torch.arange(1.0, out.logprobs.shape[1] + 1)
     loss = (out.logprobs * weights).sum()
@@ -48,12 +46,14 @@ def _score(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, fused: bool,
 def test_hidden_state_scoring_equals_logit_scoring(monkeypatch: pytest.MonkeyPatch, packed: bool, entropy: bool,
                                                    rows_per_chunk: int | None) -> None:
     model = _qwen()
-    assert logprobs_mod.decoder_and_head(model) is not None  # the path under test is the one taken
+    assert head_mod.decoder_and_head(model) is not None  # the path under test is the one taken
+    with head_mod.scoring_from_logits():
+        assert head_mod.decoder_and_head(model) is None  # and the one compared with is the other
     if rows_per_chunk:  # 8 scored tokens in chunks of 2: the chunk loop and its boundaries are exercised
         monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", rows_per_chunk * 97)
     kw = {"temperature": 0.7, "with_entropy": entropy, "packed": packed}
-    fused, fused_grads = _score(model, monkeypatch, True, **kw)
-    whole, whole_grads = _score(model, monkeypatch, False, **kw)
+    fused, fused_grads = _score(model, True, **kw)
+    whole, whole_grads = _score(model, False, **kw)
     assert fused.num_scored == 9 == int(whole.mask.sum())
     torch.testing.assert_close(fused.logprobs, whole.logprobs, atol=1e-5, rtol=1e-5)
     assert bool((fused.logprobs[2, 1] == 0) & (fused.logprobs[1, 1:] == 0).all())  # unscored: exactly 0
@@ -63,11 +63,11 @@ def test_hidden_state_scoring_equals_logit_scoring(monkeypatch: pytest.MonkeyPat
         torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_hidden_state_scoring_under_bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hidden_state_scoring_under_bf16_autocast() -> None:
     model = _qwen()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused, fused_grads = _score(model, monkeypatch, True, with_entropy=True)
-        whole, whole_grads = _score(model, monkeypatch, False, with_entropy=True)
+        fused, fused_grads = _score(model, True, with_entropy=True)
+        whole, whole_grads = _score(model, False, with_entropy=True)
     assert fused.logprobs.dtype == torch.float32
     torch.testing.assert_close(fused.logprobs, whole.logprobs, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(fused.entropy, whole.entropy, atol=2e-2, rtol=2e-2)

@@ -111,12 +111,12 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
 def read_all(batch_loss: Tensor | float, sums: dict[str, Tensor | float]) -> tuple[float, dict[str, float]]:
     """Device values to floats in one transfer: each separate read stalls the host until the device catches
     up, and the device then idles while the host queues the next kernels."""
-    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
-    values = [torch.as_tensor(batch_loss, dtype=torch.float32)] + [sums[k] for k in keys]  # type: ignore[misc]
+    on_device = {k: v for k, v in sums.items() if isinstance(v, Tensor)}
+    values = [torch.as_tensor(batch_loss, dtype=torch.float32), *on_device.values()]
     device = next((v.device for v in values if v.device.type != "cpu"), torch.device("cpu"))
-    read = torch.stack([v.to(device=device, dtype=torch.float32).reshape(()) for v in values]).tolist()
-    out = dict(zip(keys, read[1:]))
-    return read[0], {k: out[k] if k in out else float(v) for k, v in sums.items()}
+    loss, *read = torch.stack([v.to(device=device, dtype=torch.float32).reshape(()) for v in values]).tolist()
+    floats = dict(zip(on_device, read))
+    return loss, {k: floats[k] if k in floats else float(v) for k, v in sums.items()}
 
 
 def zero_grads(model: torch.nn.Module) -> None:

@@ -12,6 +12,10 @@ through the vocabulary projection, not prompt or padding positions.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -19,12 +23,26 @@ from torch import Tensor
 # or soft-capping that scoring from hidden states would skip.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 CHUNK_ELEMENTS = 1 << 28  # float32 logits per chunk (1 GiB): a few chunks per micro-batch, each a large matmul
+_FROM_LOGITS = contextvars.ContextVar("asyncrl_scoring_from_logits", default=False)
+
+
+@contextlib.contextmanager
+def scoring_from_logits() -> Iterator[None]:
+    """Within this block every model is scored from ``model(...).logits``, as one this module cannot drive is:
+    for comparing the two paths, or for a model whose forward does more than its head shows."""
+    token = _FROM_LOGITS.set(True)
+    try:
+        yield
+    finally:
+        _FROM_LOGITS.reset(token)
 
 
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """The decoder and output projection to score from hidden states, or None where the model must be called
     whole: an unknown architecture, a biased head, or a sharded (FSDP) model, whose root-level parameters are
-    gathered only by the root module's own forward."""
+    gathered only by the root module's own forward; or inside ``scoring_from_logits``."""
+    if _FROM_LOGITS.get():
+        return None
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
@@ -88,12 +106,12 @@ class _ChosenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
+        wants_entropy = ctx.with_entropy and grad_entropy is not None
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = s + ctx.chunk
             h = h_all[s:e]
             z = _tempered(torch.nn.functional.linear(h, w), t)
             # d logp_target / dz = onehot(target) - p;  d entropy / dz = -p * (z - E_p[z]), E_p[z] = lse - entropy
-            wants_entropy = ctx.with_entropy and grad_entropy is not None
             spread = z - (lse[s:e] - entropy[s:e])[:, None] if wants_entropy else None
             p = z.sub_(lse[s:e, None]).exp_()  # in place: at 150k vocabulary each pass over z is costly
             g_ent = None if spread is None else spread.mul_(p).mul_(grad_entropy[s:e, None])

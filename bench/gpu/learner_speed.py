@@ -21,6 +21,7 @@ full logits (the path before it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import sys
@@ -95,16 +96,10 @@ def computed_tokens(groups: list[Any], cfg: Any) -> int:
 
 def measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool,
             scoring: str = "hidden") -> dict[str, Any]:
-    import torch
+    from asyncrl.algorithms.head import scoring_from_logits
 
-    from asyncrl.algorithms import logprobs
-
-    chosen = logprobs.decoder_and_head
-    logprobs.decoder_and_head = chosen if scoring == "hidden" else (lambda _model: None)
-    try:
+    with scoring_from_logits() if scoring == "logits" else contextlib.nullcontext():
         return _measure(args, base, packing, grad_ckpt) | {"scoring": scoring}
-    finally:
-        logprobs.decoder_and_head = chosen
 
 
 def _measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool) -> dict[str, Any]:
