@@ -190,6 +190,15 @@ class LearnerConfig:
     # rounding) without computing padding. Worth it when lengths vary a lot within a micro-batch; needs a model
     # whose attention honours restarting ``position_ids`` without a mask (transformers' decoders do).
     packing: bool = False
+    # With packing: attend through a variable-length kernel (``asyncrl.algorithms.varlen``; flash on a GPU)
+    # instead of sdpa with a block-diagonal mask, so each sequence costs its own length squared and a
+    # micro-batch is one row with no padding. The learner switches the model's attention implementation; a
+    # transformers Llama, Mistral or Qwen decoder without sliding windows.
+    varlen_attention: bool = False
+    # ``torch.compile`` (dynamic shapes) each MLP and RMSNorm module of a transformers decoder, so their
+    # element-wise chains (SiLU times the up projection; the float32 norm) run as fused kernels, forward and
+    # backward. Costs a compile on the first steps; for GPU learners, where those chains are memory-bound.
+    compile_mlp_and_norms: bool = False
     # Recompute each transformer block's activations in the backward pass instead of keeping them (the model's
     # ``gradient_checkpointing_enable()``): much less activation memory for about a third more compute, so
     # larger micro-batches fit. The step is the same.
@@ -216,8 +225,10 @@ class LearnerConfig:
         tokens = self.micro_batch_tokens
         _require(tokens is None or (type(tokens) is int and tokens > 0), self, "micro_batch_tokens",
                  f"must be None (count rollouts) or a positive integer, got {tokens!r}")
-        for name in ("packing", "gradient_checkpointing"):
+        for name in ("packing", "varlen_attention", "compile_mlp_and_norms", "gradient_checkpointing"):
             _require(isinstance(getattr(self, name), bool), self, name, f"must be a bool, got {getattr(self, name)!r}")
+        _require(self.packing or not self.varlen_attention, self, "varlen_attention",
+                 "needs packing=True (it attends within packed rows)")
         _require(type(self.nice) is int and 0 <= self.nice <= 19, self, "nice",
                  f"must be an integer in 0..19, got {self.nice!r}")
         _require(self.nice == 0 or sys.platform.startswith("linux"), self, "nice",

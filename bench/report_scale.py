@@ -89,16 +89,29 @@ def tool_use(r: dict[str, Any]) -> list[str]:
 
 
 def learner_speed(r: dict[str, Any]) -> list[str]:
-    # Files from before scoring from hidden states have no "scoring": they scored from the full logits.
-    rows = [["packed" if x["packing"] else "padded", "on" if x["grad_ckpt"] else "off", x.get("scoring", "logits"),
+    # Files from before scoring from hidden states have no "scoring": they scored from the full logits; files
+    # from before varlen attention and compiled modules have neither.
+    rows = [["packed" if x["packing"] else "padded", "varlen" if x.get("varlen") else "sdpa",
+             "on" if x.get("compiled") else "off", num(x.get("micro_batch_tokens"), 0),
+             "on" if x["grad_ckpt"] else "off", x.get("scoring", "logits"),
              num(x["step_s"], 3),
              num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
              f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
             for x in r["runs"]]
-    return table(["rows", "grad ckpt", "log-probs from", "step s", "real tokens/step", "computed/real", "tokens/s",
+    return table(["rows", "attention", "compiled MLP/norms", "micro-batch tokens", "grad ckpt", "log-probs from",
+                  "step s", "real tokens/step", "computed/real", "tokens/s",
                   "MFU",
                   "peak GiB"], rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s "
                                             "(H200 dense bf16); goal 40%."]
+
+
+def learner_profile(r: dict[str, Any]) -> list[str]:
+    k, total = r["kernel_s"], r["kernel_total_s"]
+    rows = [[kind, num(k[kind], 3), pct(k[kind] / total)] for kind in ("matmul", "attention", "other")]
+    return table(["kernels", "device s", "share"], rows) + [
+        "", f"Step wall {num(r['step_wall_s'], 3)} s, kernels {num(total, 3)} s; MFU {pct(r['mfu'])}. If only the "
+            f"matrix multiplies took time: **{pct(r['mfu_matmul_bound'])}** (the bound no fusion of the rest "
+            "can pass at these matmul speeds)."]
 
 
 FORMATTERS = {
@@ -114,6 +127,8 @@ FORMATTERS = {
                       startup),
     "learner_speed": ("Learner speed and MFU", "LocalBackend steps on synthetic RL batches (completion lengths "
                       "vary 38-384 tokens, prompts 128), bf16 on one H200.", learner_speed),
+    "learner_profile": ("Where a learner step's device time goes", "One profiled LocalBackend step, kernels "
+                        "grouped by kind (bench/gpu/profile_learner.py).", learner_profile),
     "tool_use": ("Multi-turn tool use", "examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
                  "before and after RL.", tool_use),
 }

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from asyncrl.algorithms import varlen
 from asyncrl.algorithms.losses import Loss, SkipsInertGroups
 from asyncrl.algorithms.rows import packed_scoring
 from asyncrl.config import ConfigError, LearnerConfig
@@ -193,8 +194,13 @@ def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
 
 
 def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
-    """Apply the learner's model-level settings: gradient checkpointing (activations of each block are dropped
-    after the forward and recomputed in the backward, trading about a third more compute for memory)."""
+    """Apply the learner's model-level settings: variable-length attention for packed rows, and gradient
+    checkpointing (activations of each block are dropped after the forward and recomputed in the backward,
+    trading about a third more compute for memory)."""
+    if config.varlen_attention:
+        varlen.install(model)
+    if config.compile_mlp_and_norms:
+        compile_mlp_and_norms(model)
     if not config.gradient_checkpointing:
         return
     enable = getattr(model, "gradient_checkpointing_enable", None)
@@ -204,6 +210,17 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
                           f"got {type(model).__name__}")
     # Non-reentrant: needs no input that requires grad, and recomputes correctly under FSDP2.
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_mlp_and_norms(model: torch.nn.Module) -> None:
+    """Compile, in place, every module whose class is a decoder's MLP or RMSNorm (``FooMLP``, ``FooRMSNorm``):
+    small graphs with no data-dependent control flow, so dynamic shapes compile once per module class."""
+    targets = [m for m in model.modules() if type(m).__name__.endswith(("MLP", "RMSNorm"))]
+    if not targets:
+        raise ConfigError("LearnerConfig.compile_mlp_and_norms",
+                          f"found no *MLP or *RMSNorm module in {type(model).__name__}")
+    for module in targets:
+        module.compile(dynamic=True)
 
 
 class LocalBackend:

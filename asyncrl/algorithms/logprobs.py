@@ -11,6 +11,8 @@ from torch import Tensor
 
 from asyncrl.algorithms.head import chosen_logprobs, decoder_and_head
 from asyncrl.algorithms.rows import Rows, packed_rows, packing_enabled, padded_rows
+from asyncrl.algorithms.varlen import SEGMENTS_KWARG, Segments
+from asyncrl.algorithms.varlen import active as varlen_active
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +54,16 @@ def completion_logprobs(
     ``packed=True`` (None: as ``rows.packed_scoring`` says, off by default) lays several sequences into one row
     instead (``asyncrl.algorithms.rows``) and calls ``model(input_ids=, position_ids=, use_cache=False)``: the
     model must then keep sequences apart by their restarting positions, as transformers' decoders do. The
-    result has the same shape and, up to float rounding, the same values.
+    result has the same shape and, up to float rounding, the same values. A model switched to variable-length
+    attention (``algorithms.varlen.install``) gets the whole call as one row plus where each sequence starts.
     """
     _check_inputs(prompts, completions, temperature, loss_masks)
     pack = packing_enabled() if packed is None else packed
-    layout = packed_rows if pack else padded_rows
-    batch = layout(prompts, completions, pad_id, _device_of(model), loss_masks)
+    device = _device_of(model)
+    if pack and varlen_active(model):  # no quadratic cost in the row width: one row holds the micro-batch
+        batch = packed_rows(prompts, completions, pad_id, device, loss_masks, row_tokens=math.inf)
+    else:
+        batch = (packed_rows if pack else padded_rows)(prompts, completions, pad_id, device, loss_masks)
     parts = decoder_and_head(model)
     if parts is not None:
         logprobs, entropy = _from_hidden(*parts, batch, temperature, with_entropy)
@@ -66,7 +72,10 @@ def completion_logprobs(
     return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask, num_scored=len(batch.scored))
 
 
-def _model_inputs(batch: Rows) -> dict[str, Tensor | bool | None]:
+def _model_inputs(model: torch.nn.Module, batch: Rows) -> dict[str, object]:
+    if batch.packed and varlen_active(model):
+        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False,
+                SEGMENTS_KWARG: Segments.from_lengths(batch.segments, batch.input_ids.device)}
     if batch.packed:  # no 2D mask and no cache: what makes transformers derive the mask from position_ids
         return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -75,7 +84,7 @@ def _model_inputs(batch: Rows) -> dict[str, Tensor | bool | None]:
 
 def _from_logits(model: torch.nn.Module, batch: Rows, temperature: float,
                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    logits = model(**_model_inputs(batch)).logits
+    logits = model(**_model_inputs(model, batch)).logits
     # Only the positions that predict completion tokens are normalised: [B, T, V], not [rows, L, V].
     scored = torch.log_softmax(logits[batch.row_of[:, None], batch.score_at].float() / temperature, dim=-1)
     logprobs = scored.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
@@ -85,7 +94,7 @@ def _from_logits(model: torch.nn.Module, batch: Rows, temperature: float,
 
 def _from_hidden(decoder: torch.nn.Module, head: torch.nn.Linear, batch: Rows, temperature: float,
                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    inputs = {**_model_inputs(batch), "use_cache": False}
+    inputs = {**_model_inputs(decoder, batch), "use_cache": False}
     hidden = decoder(**inputs).last_hidden_state
     chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.hidden_at)
     targets = batch.targets.flatten().index_select(0, batch.scored)

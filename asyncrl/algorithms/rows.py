@@ -52,6 +52,9 @@ class Rows:
     mask: Tensor  # [N, T] float32, 1 for a scored completion token
     scored: Tensor  # [M] long: flat index into [N, T] of each scored token (mask 1), in order
     hidden_at: Tensor  # [M] long: flat index into [R, L] of the position that predicts it
+    # Packed only: lengths of the runs that tile the flattened [R * L] tokens, in order (each sequence, and each
+    # row's tail padding as a run of its own), for variable-length attention kernels (``algorithms.varlen``).
+    segments: tuple[int, ...] = ()
 
     @property
     def packed(self) -> bool:
@@ -67,11 +70,12 @@ def padded_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
 
 def packed_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
                 device: torch.device, loss_masks: Sequence[Sequence[int] | None] | None = None,
-                row_tokens: int | None = None) -> Rows:
+                row_tokens: int | float | None = None) -> Rows:
     """Sequences packed into rows of at most ``row_tokens`` tokens (default: the longest sequence, so a row is
-    never wider than the padded layout's and attention, quadratic in row width under sdpa, costs no more)."""
+    never wider than the padded layout's and attention, quadratic in row width under sdpa, costs no more;
+    ``math.inf``: one row holding everything, for variable-length attention)."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    placement = pack(lengths, row_tokens or max(lengths))
+    placement = pack(lengths, min(row_tokens or max(lengths), sum(lengths)))
     return _layout(prompts, completions, pad_id, device, loss_masks, placement, packed=True)
 
 
@@ -122,6 +126,21 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
     hidden_at = (row_of[:, None] * width + score_at).flatten()[scored]
     tensors = [t.to(device) for t in (input_ids, attention_mask, position_ids, row_of, score_at, targets, mask,
                                       scored, hidden_at)]
-    if packed:
-        tensors[1] = None
-    return Rows(*tensors)
+    if not packed:
+        return Rows(*tensors)
+    tensors[1] = None
+    return Rows(*tensors, segments=_segments(placement, [len(p) + len(c) for p, c in zip(prompts, completions)],
+                                             width, rows))
+
+
+def _segments(placement: Sequence[tuple[int, int]], lengths: Sequence[int], width: int, rows: int) -> tuple[int, ...]:
+    """Run lengths tiling ``[rows * width]``: the sequences in row-major order, each row's tail padding apart."""
+    starts = sorted((row * width + at, n) for (row, at), n in zip(placement, lengths))
+    runs, cursor = [], 0
+    for start, n in [*starts, (rows * width, 0)]:
+        if start > cursor:  # a row's tail padding, up to the next row's first sequence (or the end)
+            runs.append(start - cursor)
+        if n:
+            runs.append(n)
+        cursor = start + n
+    return tuple(runs)

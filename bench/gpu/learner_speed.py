@@ -5,6 +5,7 @@ without gradient checkpointing, on synthetic RL batches (completion lengths vary
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --grad-ckpt   # one variant
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --all                   # all four, one file
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --micro-batch-tokens 16384 --scoring both
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder     # packed; + varlen; + compiled MLP/norms
     python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
 
 The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
@@ -15,7 +16,9 @@ included); ``mfu = 6 * params * tokens_per_s / peak_flops`` (the usual dense est
 gradient checkpointing's recomputation are not counted as useful work). ``--peak-flops`` defaults to an
 H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory allocated. ``--scoring both`` runs each
 variant twice, side by side: log-probs from the last hidden states (the learner's path) and from the model's
-full logits (the path before it).
+full logits (the path before it). ``--ladder`` adds the learner's speed options one at a time, side by side, on
+packed token-sized micro-batches: sdpa with a block mask; variable-length attention (one row per micro-batch);
+plus compiled MLP and RMSNorm modules; the same at twice the micro-batch tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--packing", action="store_true", help="LearnerConfig(packing=True)")
     p.add_argument("--grad-ckpt", action="store_true", help="LearnerConfig(gradient_checkpointing=True)")
     p.add_argument("--all", action="store_true", help="every packing x grad-ckpt combination")
+    p.add_argument("--varlen", action="store_true", help="LearnerConfig(varlen_attention=True); needs --packing")
+    p.add_argument("--compile-mlp-norms", action="store_true", help="LearnerConfig(compile_mlp_and_norms=True)")
+    p.add_argument("--ladder", action="store_true",
+                   help="packed rows: sdpa, varlen, varlen + compiled MLP/norms, and that at 2x micro-batch tokens")
     p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
                    help="log-probs from the last hidden states, chunked (the learner's path for transformers "
                         "decoders), or from the model's full logits (the path before it); both: side by side")
@@ -57,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the device's peak FLOP/s for the MFU denominator")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny batch, 2 timed steps")
     args = p.parse_args(argv)
+    if args.ladder:
+        args.packing, args.micro_batch_tokens = True, args.micro_batch_tokens or 16384
     if args.cpu_smoke:
+        args.micro_batch_tokens = args.micro_batch_tokens and 256
         args.steps, args.groups, args.group_size, args.prompt_len, args.completion_len = 2, 4, 4, 8, 32
         args.micro_batch_rollouts = 8
     args.min_completion_len = args.min_completion_len or max(1, args.completion_len // 10)
@@ -89,33 +99,55 @@ def computed_tokens(groups: list[Any], cfg: Any) -> int:
     total = 0
     for part in chunks(groups, cfg.micro_batch_rollouts, cfg.micro_batch_tokens):
         lengths = [len(g.prompt.token_ids) + len(r.sample.token_ids) for g in part for r in g.rollouts]
+        if cfg.varlen_attention:  # one row holding every sequence back to back
+            total += sum(lengths)
+            continue
         rows = 1 + max(row for row, _ in pack(lengths, max(lengths))) if cfg.packing else len(lengths)
         total += rows * max(lengths)  # every row is as wide as the longest sequence
     return total
 
 
-def measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool,
-            scoring: str = "hidden") -> dict[str, Any]:
+def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The learner settings to time, in order, each as ``LearnerConfig`` keywords plus its scoring path."""
+    if args.ladder:
+        tokens = args.micro_batch_tokens
+        steps = [{"varlen_attention": False}, {"varlen_attention": True},
+                 {"varlen_attention": True, "compile_mlp_and_norms": True},
+                 {"varlen_attention": True, "compile_mlp_and_norms": True, "micro_batch_tokens": 2 * tokens}]
+        return [{"packing": True, "gradient_checkpointing": False, "micro_batch_tokens": tokens} | v | {"scoring": "hidden"}
+                for v in steps]
+    pairs = [(p, c) for p in (False, True) for c in (False, True)] if args.all else [(args.packing, args.grad_ckpt)]
+    scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
+    return [{"packing": p, "gradient_checkpointing": c, "micro_batch_tokens": args.micro_batch_tokens,
+             "varlen_attention": args.varlen and p, "compile_mlp_and_norms": args.compile_mlp_norms, "scoring": s}
+            for (p, c), s in itertools.product(pairs, scorings)]
+
+
+def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dict[str, Any]:
     from asyncrl.algorithms.head import scoring_from_logits
 
-    with scoring_from_logits() if scoring == "logits" else contextlib.nullcontext():
-        return _measure(args, base, packing, grad_ckpt) | {"scoring": scoring}
+    settings = {k: v for k, v in variant.items() if k != "scoring"}
+    with scoring_from_logits() if variant["scoring"] == "logits" else contextlib.nullcontext():
+        return _measure(args, base, settings) | {"scoring": variant["scoring"]}
 
 
-def _measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, base: Any, settings: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from asyncrl.actors.training import LocalBackend, forward_tokens
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
     from asyncrl.config import LearnerConfig
 
-    cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, micro_batch_tokens=args.micro_batch_tokens,
-                        packing=packing, gradient_checkpointing=grad_ckpt)
+    cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, **settings)
+    packing, grad_ckpt = cfg.packing, cfg.gradient_checkpointing
     model = copy.deepcopy(base)
     backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     cuda = torch.cuda.is_available()
-    backend.train_step(batch(args, vocab, 0), 0)  # warm-up: allocator, kernels
+    t_warm = time.perf_counter()
+    backend.train_step(batch(args, vocab, 0), 0)  # warm-up: allocator, kernels (and compiling, when asked)
+    backend.train_step(batch(args, vocab, 0), 0)
+    warm_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -128,7 +160,9 @@ def _measure(args: argparse.Namespace, base: Any, packing: bool, grad_ckpt: bool
     wall = time.perf_counter() - t0
     tokens = sum(forward_tokens(g) for groups in batches for g in groups)
     params = sum(p.numel() for p in model.parameters())
-    out = {"packing": packing, "grad_ckpt": grad_ckpt, "steps": args.steps, "step_s": wall / args.steps,
+    out = {"packing": packing, "grad_ckpt": grad_ckpt, "varlen": cfg.varlen_attention,
+           "compiled": cfg.compile_mlp_and_norms, "micro_batch_tokens": cfg.micro_batch_tokens,
+           "warm_up_s": warm_s, "steps": args.steps, "step_s": wall / args.steps,
            "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / wall,
            "computed_tokens_per_step": sum(computed_tokens(g, cfg) for g in batches) / args.steps,
            "params": params, "mfu": 6 * params * (tokens / wall) / args.peak_flops}
@@ -144,20 +178,19 @@ def main(argv: list[str] | None = None) -> None:
     result = common.Result("learner_speed", args)
     result.doc["command"] = " ".join(["python", "-m", "bench.gpu.learner_speed", *sys.argv[1:]])
     base = build(args)
-    if args.all:
-        variants = [(packing, ckpt) for packing in (False, True) for ckpt in (False, True)]
-    else:
-        variants = [(args.packing, args.grad_ckpt)]
     runs = []
-    scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
-    for (packing, grad_ckpt), scoring in itertools.product(variants, scorings):
-        r = measure(args, base, packing, grad_ckpt, scoring)
+    for variant in variants(args):
+        r = measure(args, base, variant)
         runs.append(r)
         waste = r["computed_tokens_per_step"] / r["tokens_per_step"]
-        print(f"packing={packing} grad_ckpt={grad_ckpt} scoring={scoring}: {r['tokens_per_s']:.0f} tokens/s, "
-              f"MFU {100 * r['mfu']:.3f}%, computed/real tokens {waste:.2f}", flush=True)
-    suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
-    suffix += "_scoring" if args.scoring == "both" else ""
+        print(f"{variant}: {r['tokens_per_s']:.0f} tokens/s, MFU {100 * r['mfu']:.3f}%, "
+              f"computed/real tokens {waste:.2f}, warm-up {r['warm_up_s']:.1f} s", flush=True)
+    if args.ladder:
+        suffix = "_ladder"
+    else:
+        suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
+        suffix += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile_mlp_norms
+        suffix += "_scoring" if args.scoring == "both" else ""
     result.write({"shape": args.shape, "runs": runs}, suffix=suffix)
 
 
