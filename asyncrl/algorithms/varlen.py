@@ -133,16 +133,18 @@ def reference_varlen_causal(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
 def _flash(q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    n, params = segments.max_len, inspect.signature(varlen_attn).parameters
-    if "window_size" in params:  # torch >= 2.12: causal is window (-1, 0); grouped-query heads supported
-        return varlen_attn(q, k, v, segments.cu, segments.cu, n, n, scale=scale, window_size=(-1, 0),
-                           enable_gqa=k.shape[1] != q.shape[1])
-    # Earlier releases: an is_causal flag, equal head counts, and (in some) no scale argument.
+    # The signature grew across torch releases (2.11: a causal window but no grouped-query heads; 2.13: both):
+    # ask for what it offers, do the rest here.
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    if groups > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "scale" in params:
-        return varlen_attn(q, k, v, segments.cu, segments.cu, n, n, is_causal=True, scale=scale)
-    q = q * (scale * math.sqrt(q.shape[-1]))  # the kernel's default scale is 1/sqrt(D)
-    return varlen_attn(q, k, v, segments.cu, segments.cu, n, n, is_causal=True)
+        kwargs["scale"] = scale
+    else:
+        q = q * (scale * math.sqrt(q.shape[-1]))  # the kernel's default scale is 1/sqrt(D)
+    n = segments.max_len
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), segments.cu, segments.cu, n, n, **kwargs)
