@@ -195,10 +195,10 @@ class LearnerConfig:
     # micro-batch is one row with no padding. The learner switches the model's attention implementation; a
     # transformers Llama, Mistral or Qwen decoder without sliding windows.
     varlen_attention: bool = False
-    # ``torch.compile`` (dynamic shapes) each MLP and RMSNorm module of a transformers decoder, so their
-    # element-wise chains (SiLU times the up projection; the float32 norm) run as fused kernels, forward and
-    # backward. Costs a compile on the first steps; for GPU learners, where those chains are memory-bound.
-    compile_mlp_and_norms: bool = False
+    # ``torch.compile`` (dynamic shapes) the memory-bound element-wise chains: each MLP and RMSNorm module of a
+    # transformers decoder (SiLU times the up projection; the float32 norm) and the log-prob head's per-chunk
+    # softmax, forward and backward, so each runs as one fused kernel. Costs a compile on the first steps.
+    compile_elementwise: bool = False
     # Recompute each transformer block's activations in the backward pass instead of keeping them (the model's
     # ``gradient_checkpointing_enable()``): much less activation memory for about a third more compute, so
     # larger micro-batches fit. The step is the same.
@@ -225,7 +225,7 @@ class LearnerConfig:
         tokens = self.micro_batch_tokens
         _require(tokens is None or (type(tokens) is int and tokens > 0), self, "micro_batch_tokens",
                  f"must be None (count rollouts) or a positive integer, got {tokens!r}")
-        for name in ("packing", "varlen_attention", "compile_mlp_and_norms", "gradient_checkpointing"):
+        for name in ("packing", "varlen_attention", "compile_elementwise", "gradient_checkpointing"):
             _require(isinstance(getattr(self, name), bool), self, name, f"must be a bool, got {getattr(self, name)!r}")
         _require(self.packing or not self.varlen_attention, self, "varlen_attention",
                  "needs packing=True (it attends within packed rows)")

@@ -1,5 +1,6 @@
-"""Variable-length attention for packed rows, and compiled MLP/RMSNorm modules: the same log-probs and the same
-learner step as padded sdpa, with each sequence kept to itself. On CPU the varlen kernel is the per-sequence
+"""Variable-length attention for packed rows, and compiled element-wise chains (MLP and RMSNorm modules, the
+log-prob head's chunk maths): the same log-probs and the same learner step as padded sdpa in eager mode, with
+each sequence kept to itself. On CPU the varlen kernel is the per-sequence
 reference; tests/test_gpu_varlen.py checks torch's flash kernel against it on a GPU."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from asyncrl.actors.training import LocalBackend
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, varlen
+from asyncrl.algorithms.head import chosen_logprobs, compiled_head
 from asyncrl.algorithms.rows import packed_rows
 from asyncrl.config import ConfigError, LearnerConfig
 from tests.test_packing import COMPLETIONS, PROMPTS, _assert_same_step, _model, _step
@@ -111,9 +113,9 @@ def test_varlen_learner_step_equals_padded(model, kernel_calls) -> None:
     _assert_same_step(packed, padded, atol=1e-5)
 
 
-def test_compiled_mlp_and_norms_keep_the_step(model) -> None:
+def test_compiled_elementwise_keeps_the_step(model) -> None:
     eager = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True))
-    compiled = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, compile_mlp_and_norms=True))
+    compiled = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, compile_elementwise=True))
     layer = compiled[0].model.layers[0]
     assert layer.mlp._compiled_call_impl is not None and layer.input_layernorm._compiled_call_impl is not None
     _assert_same_step(compiled, eager, atol=1e-5)
@@ -125,7 +127,23 @@ def test_unsupported_settings_fail_naming_the_field() -> None:
     assert info.value.field == "LearnerConfig.varlen_attention" and "packing" in str(info.value)
     lin = torch.nn.Linear(2, 2)
     for cfg, field in ((LearnerConfig(packing=True, varlen_attention=True), "varlen_attention"),
-                       (LearnerConfig(compile_mlp_and_norms=True), "compile_mlp_and_norms")):
+                       (LearnerConfig(compile_elementwise=True), "compile_elementwise")):
         with pytest.raises(ConfigError) as info:
             LocalBackend(lin, torch.optim.SGD(lin.parameters(), lr=0.1), GRPOLoss(LossConfig()), cfg)
         assert info.value.field == f"LearnerConfig.{field}"
+
+
+def test_compiled_head_maths_equals_eager_with_entropy_and_temperature() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (37,))
+    weights = torch.randn(37), torch.randn(37)
+    results = []
+    for compiled in (False, True):
+        with compiled_head(compiled):
+            lp, ent = chosen_logprobs(hidden, weight, targets, 0.7, with_entropy=True)
+        grads = torch.autograd.grad((lp * weights[0]).sum() + (ent * weights[1]).sum(), (hidden, weight))
+        results.append((lp, ent, *grads))
+    for eager, fused in zip(*results):
+        torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms import varlen
+from asyncrl.algorithms.head import compiled_head
 from asyncrl.algorithms.losses import Loss, SkipsInertGroups
 from asyncrl.algorithms.rows import packed_scoring
 from asyncrl.config import ConfigError, LearnerConfig
@@ -84,12 +85,13 @@ def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
 
 
 def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,
-               active_groups: int, autocast: str | None, packing: bool = False,
+               active_groups: int, autocast: str | None, packing: bool = False, compiled: bool = False,
                grad_sync: Callable[[bool], None] | None = None) -> tuple[float, dict[str, float]]:
     """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
     over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
-    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows.
+    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows;
+    ``compiled``: and run the log-prob head's chunk maths compiled.
     ``grad_sync(last)`` runs before each backward: a sharded model reduces its gradients on the last one only."""
     batch_loss: Tensor | float = 0.0
     sums: dict[str, Tensor | float] = {}
@@ -97,7 +99,7 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
         if grad_sync is not None:
             grad_sync(i == len(parts) - 1)
         with attention_kernels():  # the backward too: gradient checkpointing recomputes the forward there
-            with precision(model, autocast), packed_scoring(packing):
+            with precision(model, autocast), packed_scoring(packing), compiled_head(compiled):
                 out = loss.compute(model, chunk.groups)
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
@@ -199,8 +201,8 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
     trading about a third more compute for memory)."""
     if config.varlen_attention:
         varlen.install(model)
-    if config.compile_mlp_and_norms:
-        compile_mlp_and_norms(model)
+    if config.compile_elementwise:
+        compile_elementwise(model)
     if not config.gradient_checkpointing:
         return
     enable = getattr(model, "gradient_checkpointing_enable", None)
@@ -212,12 +214,13 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def compile_mlp_and_norms(model: torch.nn.Module) -> None:
+def compile_elementwise(model: torch.nn.Module) -> None:
     """Compile, in place, every module whose class is a decoder's MLP or RMSNorm (``FooMLP``, ``FooRMSNorm``):
-    small graphs with no data-dependent control flow, so dynamic shapes compile once per module class."""
+    small graphs with no data-dependent control flow, so dynamic shapes compile once per module class. (The
+    log-prob head's chunk maths is compiled under ``head.compiled_head``, entered by ``accumulate``.)"""
     targets = [m for m in model.modules() if type(m).__name__.endswith(("MLP", "RMSNorm"))]
     if not targets:
-        raise ConfigError("LearnerConfig.compile_mlp_and_norms",
+        raise ConfigError("LearnerConfig.compile_elementwise",
                           f"found no *MLP or *RMSNorm module in {type(model).__name__}")
     for module in targets:
         module.compile(dynamic=True)
@@ -243,7 +246,8 @@ class LocalBackend:
         active = [g for g in batch if not is_inert(self.loss, cfg, g)]
         parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts, cfg.micro_batch_tokens)] if active else []
         batch_loss, sums = accumulate(self.model, self.loss, parts, total_tokens=total_tokens,
-                                      active_groups=len(active), autocast=cfg.autocast, packing=cfg.packing)
+                                      active_groups=len(active), autocast=cfg.autocast, packing=cfg.packing,
+                                      compiled=cfg.compile_elementwise)
         if not active:
             zero_grads(self.model)
         grad_norm = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, step)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -24,6 +25,7 @@ from torch import Tensor
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 CHUNK_ELEMENTS = 1 << 28  # float32 logits per chunk (1 GiB): a few chunks per micro-batch, each a large matmul
 _FROM_LOGITS = contextvars.ContextVar("asyncrl_scoring_from_logits", default=False)
+_COMPILED = contextvars.ContextVar("asyncrl_compiled_head", default=False)
 
 
 @contextlib.contextmanager
@@ -35,6 +37,18 @@ def scoring_from_logits() -> Iterator[None]:
         yield
     finally:
         _FROM_LOGITS.reset(token)
+
+
+@contextlib.contextmanager
+def compiled_head(enabled: bool = True) -> Iterator[None]:
+    """Within this block ``chosen_logprobs`` runs each chunk's softmax maths (forward and backward) as kernels
+    fused by ``torch.compile``: one pass over the chunk's logits instead of one per element-wise step. The
+    learner enters it with ``LearnerConfig.compile_elementwise``."""
+    token = _COMPILED.set(enabled)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
 
 
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
@@ -68,7 +82,8 @@ def chosen_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature
     ``weight`` ``[V, H]``), and the entropy of the same distribution when asked. Differentiable in ``hidden``
     and ``weight``; under autocast the projection runs in autocast's dtype, as ``nn.Linear`` would."""
     chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    logprobs, entropy = _ChosenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, with_entropy)
+    logprobs, entropy = _ChosenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, with_entropy,
+                                              _COMPILED.get())
     return logprobs, (entropy if with_entropy else None)
 
 
@@ -80,8 +95,9 @@ def _tempered(raw: Tensor, temperature: float) -> Tensor:
 class _ChosenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,  # type: ignore[override]
-                chunk: int, with_entropy: bool) -> tuple[Tensor, Tensor]:
+                chunk: int, with_entropy: bool, compiled: bool) -> tuple[Tensor, Tensor]:
         m = hidden.shape[0]
+        chunk_maths = _fused("forward") if compiled else _chunk_forward
         lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
         logprobs, entropy = torch.empty_like(lse), torch.zeros_like(lse)
         dtype = hidden.dtype
@@ -89,13 +105,10 @@ class _ChosenLogprobs(torch.autograd.Function):
             e = s + chunk
             raw = torch.nn.functional.linear(hidden[s:e], weight)  # autocast picks its dtype, as for nn.Linear
             dtype = raw.dtype
-            z = _tempered(raw, temperature)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logprobs[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
-            if with_entropy:
-                entropy[s:e] = lse[s:e] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            lse[s:e], logprobs[s:e], entropy[s:e] = chunk_maths(raw, targets[s:e], temperature, with_entropy)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.dtype = temperature, chunk, with_entropy, dtype
+        ctx.compiled = compiled
         return logprobs, entropy
 
     @staticmethod
@@ -107,22 +120,61 @@ class _ChosenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         wants_entropy = ctx.with_entropy and grad_entropy is not None
+        fused = _fused("backward") if ctx.compiled else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = s + ctx.chunk
             h = h_all[s:e]
-            z = _tempered(torch.nn.functional.linear(h, w), t)
-            # d logp_target / dz = onehot(target) - p;  d entropy / dz = -p * (z - E_p[z]), E_p[z] = lse - entropy
-            spread = z - (lse[s:e] - entropy[s:e])[:, None] if wants_entropy else None
-            p = z.sub_(lse[s:e, None]).exp_()  # in place: at 150k vocabulary each pass over z is costly
-            g_ent = None if spread is None else spread.mul_(p).mul_(grad_entropy[s:e, None])
-            g = p.mul_(-grad_logprobs[s:e, None])
-            g.scatter_add_(-1, targets[s:e, None], grad_logprobs[s:e, None])
-            if g_ent is not None:
-                g.sub_(g_ent)
-            g = (g.div_(t) if t != 1.0 else g).to(dt)
+            if fused is not None:
+                g = fused(torch.nn.functional.linear(h, w), targets[s:e], lse[s:e], entropy[s:e],
+                          grad_logprobs[s:e], grad_entropy[s:e] if wants_entropy else None, t)
+            else:
+                g = _chunk_grad_in_place(torch.nn.functional.linear(h, w), targets[s:e], lse[s:e], entropy[s:e],
+                                         grad_logprobs[s:e], grad_entropy[s:e] if wants_entropy else None, t)
             if grad_hidden is not None:
                 grad_hidden[s:e] = (g @ w).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += g.T @ h
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_grad_in_place(raw: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_lp: Tensor,
+                         g_ent: Tensor | None, t: float) -> Tensor:
+    """d loss / d raw logits of one chunk, in raw's dtype, reusing one float32 buffer (eager mode)."""
+    z = _tempered(raw, t)
+    # d logp_target / dz = onehot(target) - p;  d entropy / dz = -p * (z - E_p[z]), E_p[z] = lse - entropy
+    spread = z - (lse - entropy)[:, None] if g_ent is not None else None
+    p = z.sub_(lse[:, None]).exp_()  # in place: at 150k vocabulary each pass over z is costly
+    g_e = None if spread is None else spread.mul_(p).mul_(g_ent[:, None])
+    g = p.mul_(-g_lp[:, None])
+    g.scatter_add_(-1, targets[:, None], g_lp[:, None])
+    if g_e is not None:
+        g.sub_(g_e)
+    return (g.div_(t) if t != 1.0 else g).to(raw.dtype)
+
+
+def _chunk_forward(raw: Tensor, targets: Tensor, t: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-normaliser, chosen log-prob, entropy or 0) of one chunk, eager or compiled."""
+    z = _tempered(raw, t)
+    lse = torch.logsumexp(z, dim=-1)
+    chosen = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else torch.zeros_like(lse)
+    return lse, chosen, entropy
+
+
+def _chunk_grad(raw: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g_lp: Tensor, g_ent: Tensor | None,
+                t: float) -> Tensor:
+    """``_chunk_grad_in_place`` written functionally for ``torch.compile`` (one fused pass over the chunk)."""
+    z = raw.float() / t
+    p = torch.exp(z - lse[:, None])
+    hit = torch.arange(z.shape[-1], device=z.device)[None, :] == targets[:, None]
+    g = (hit.float() - p) * g_lp[:, None]
+    if g_ent is not None:
+        g = g - (z - (lse - entropy)[:, None]) * p * g_ent[:, None]
+    return (g / t).to(raw.dtype)
+
+
+@functools.cache
+def _fused(which: str) -> Callable[..., object]:
+    """The compiled chunk maths, built once per process on first use (dynamic shapes: chunks vary in rows)."""
+    return torch.compile(_chunk_forward if which == "forward" else _chunk_grad, dynamic=True)

@@ -163,6 +163,7 @@ class FSDPBackend:
             batch_loss, sums = accumulate(self.model, self.loss, shard.chunks, total_tokens=shard.total_tokens,
                                           active_groups=max(1, shard.active_groups),
                                           autocast=self.config.autocast, packing=self.config.packing,
+                                          compiled=self.config.compile_elementwise,
                                           grad_sync=self._grad_sync)
             if shard.active_groups == 0:
                 zero_grads(self.model)

@@ -5,7 +5,7 @@ without gradient checkpointing, on synthetic RL batches (completion lengths vary
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --grad-ckpt   # one variant
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --all                   # all four, one file
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --micro-batch-tokens 16384 --scoring both
-    python -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder     # packed; + varlen; + compiled MLP/norms
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder     # packed; + varlen; + compiled element-wise
     python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
 
 The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
@@ -18,7 +18,8 @@ H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory alloca
 variant twice, side by side: log-probs from the last hidden states (the learner's path) and from the model's
 full logits (the path before it). ``--ladder`` adds the learner's speed options one at a time, side by side, on
 packed token-sized micro-batches: sdpa with a block mask; variable-length attention (one row per micro-batch);
-plus compiled MLP and RMSNorm modules; the same at twice the micro-batch tokens.
+plus compiled element-wise chains (MLP, RMSNorm, log-prob head); the last two also at twice the micro-batch
+tokens. Two warm-up steps run before the timed ones (compiling happens there).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-ckpt", action="store_true", help="LearnerConfig(gradient_checkpointing=True)")
     p.add_argument("--all", action="store_true", help="every packing x grad-ckpt combination")
     p.add_argument("--varlen", action="store_true", help="LearnerConfig(varlen_attention=True); needs --packing")
-    p.add_argument("--compile-mlp-norms", action="store_true", help="LearnerConfig(compile_mlp_and_norms=True)")
+    p.add_argument("--compile", action="store_true", help="LearnerConfig(compile_elementwise=True)")
     p.add_argument("--ladder", action="store_true",
-                   help="packed rows: sdpa, varlen, varlen + compiled MLP/norms, and that at 2x micro-batch tokens")
+                   help="packed rows: sdpa, varlen, varlen + compiled element-wise chains; both at 1x and 2x micro-batch tokens")
     p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
                    help="log-probs from the last hidden states, chunked (the learner's path for transformers "
                         "decoders), or from the model's full logits (the path before it); both: side by side")
@@ -112,14 +113,15 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.ladder:
         tokens = args.micro_batch_tokens
         steps = [{"varlen_attention": False}, {"varlen_attention": True},
-                 {"varlen_attention": True, "compile_mlp_and_norms": True},
-                 {"varlen_attention": True, "compile_mlp_and_norms": True, "micro_batch_tokens": 2 * tokens}]
+                 {"varlen_attention": True, "micro_batch_tokens": 2 * tokens},
+                 {"varlen_attention": True, "compile_elementwise": True},
+                 {"varlen_attention": True, "compile_elementwise": True, "micro_batch_tokens": 2 * tokens}]
         return [{"packing": True, "gradient_checkpointing": False, "micro_batch_tokens": tokens} | v | {"scoring": "hidden"}
                 for v in steps]
     pairs = [(p, c) for p in (False, True) for c in (False, True)] if args.all else [(args.packing, args.grad_ckpt)]
     scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
     return [{"packing": p, "gradient_checkpointing": c, "micro_batch_tokens": args.micro_batch_tokens,
-             "varlen_attention": args.varlen and p, "compile_mlp_and_norms": args.compile_mlp_norms, "scoring": s}
+             "varlen_attention": args.varlen and p, "compile_elementwise": args.compile, "scoring": s}
             for (p, c), s in itertools.product(pairs, scorings)]
 
 
@@ -161,7 +163,7 @@ def _measure(args: argparse.Namespace, base: Any, settings: dict[str, Any]) -> d
     tokens = sum(forward_tokens(g) for groups in batches for g in groups)
     params = sum(p.numel() for p in model.parameters())
     out = {"packing": packing, "grad_ckpt": grad_ckpt, "varlen": cfg.varlen_attention,
-           "compiled": cfg.compile_mlp_and_norms, "micro_batch_tokens": cfg.micro_batch_tokens,
+           "compiled": cfg.compile_elementwise, "micro_batch_tokens": cfg.micro_batch_tokens,
            "warm_up_s": warm_s, "steps": args.steps, "step_s": wall / args.steps,
            "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / wall,
            "computed_tokens_per_step": sum(computed_tokens(g, cfg) for g in batches) / args.steps,
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         suffix = "_ladder"
     else:
         suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
-        suffix += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile_mlp_norms
+        suffix += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
         suffix += "_scoring" if args.scoring == "both" else ""
     result.write({"shape": args.shape, "runs": runs}, suffix=suffix)
 

@@ -3,7 +3,7 @@ device time and by CPU time, the step's wall time against its summed kernel time
 (matrix multiplies, attention, the rest), written to ``learner_profile_<device>_<variant>.json``.
 
     python -m bench.gpu.profile_learner --shape qwen2-0.5b --packing --micro-batch-tokens 16384 [--varlen]
-        [--compile-mlp-norms]
+        [--compile]
 
 The matmul share gives a bound that no fusion of the rest can pass: the MFU the step would reach if only its
 matrix multiplies took time (``mfu_matmul_bound``).
@@ -52,7 +52,7 @@ def main() -> None:
     model = learner_speed.build(args)
     cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, micro_batch_tokens=args.micro_batch_tokens,
                         packing=args.packing, gradient_checkpointing=args.grad_ckpt,
-                        varlen_attention=args.varlen and args.packing, compile_mlp_and_norms=args.compile_mlp_norms)
+                        varlen_attention=args.varlen and args.packing, compile_elementwise=args.compile)
     backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     for s in range(3):
@@ -72,7 +72,7 @@ def main() -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     flops = 6 * sum(p.numel() for p in model.parameters()) * sum(forward_tokens(g) for g in groups)
-    suffix = "_packed" * args.packing + "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile_mlp_norms
+    suffix = "_packed" * args.packing + "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
     common.Result("learner_profile", args).write(
         {"shape": args.shape, "step_wall_s": wall, "kernel_s": kinds, "kernel_total_s": device,
          "mfu": flops / wall / args.peak_flops, "mfu_matmul_bound": flops / kinds["matmul"] / args.peak_flops},
