@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--learner", choices=("fast", "padded"), default="fast",
+                   help="ours: fast = packed rows, varlen attention, compiled element-wise chains, micro-batches of "
+                        "--micro-batch-tokens (compiled once before the timed run); padded = 8-rollout padded rows")
+    p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--inflight-batches", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-start-steps", type=int, default=0, help="0: the shape's default")
@@ -209,8 +213,40 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
                                   max_staleness=0 if synchronous else args.max_staleness),
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=args.n,
                                       skip_inert_groups=False, autocast=None if args.cpu_smoke else "bfloat16",
-                                      sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous)),
+                                      sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous),
+                                      **learner_speed_options(args)),
     )
+
+
+def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.learner == "padded":
+        return {}
+    return {"packing": True, "varlen_attention": not args.cpu_smoke, "compile_elementwise": not args.cpu_smoke,
+            "micro_batch_tokens": args.micro_batch_tokens}
+
+
+def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
+    """Seconds spent compiling the learner's element-wise kernels before the timed run, on a throwaway copy
+    (compiled code is shared by every instance of a module class): a large and a small batch, so both sides of
+    the size thresholds inductor guards on are compiled."""
+    if not cfg.compile_elementwise:
+        return 0.0
+    import copy
+
+    import torch
+
+    from asyncrl.actors.training import LocalBackend
+    from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+
+    t0 = time.perf_counter()
+    twin = copy.deepcopy(model)
+    backend = LocalBackend(twin, torch.optim.SGD(twin.parameters(), lr=0.0), GRPOLoss(LossConfig()), cfg)
+    vocab = model.config.vocab_size
+    for groups in (args.batch_groups, 1):
+        backend.train_step(common.synthetic_groups(groups, args.n, 200, (20, args.max_tokens), vocab, 0), 0)
+    del backend, twin
+    free_gpu()
+    return time.perf_counter() - t0
 
 
 def engine_config(args: argparse.Namespace, model_dir: Path) -> Any:
@@ -266,8 +302,10 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     from asyncrl.recipes import grpo_pipeline
 
     model = common.load_learner(model_dir, dtype="float32")
+    config = pipeline_config(args, synchronous)
+    precompile_s = precompile_learner(args, model, config.learner)
     pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
-                         pipeline_config(args, synchronous), pad_id=tok.pad_token_id, close_engine=False,
+                         config, pad_id=tok.pad_token_id, close_engine=False,
                          loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"))
     per_step = args.batch_groups * args.n
     marks, tokens, rewards = [], [], []
@@ -288,7 +326,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     out.update(mode="sync" if synchronous else "async", rewards=rewards, tokens_generated=result.tokens_generated,
                generated_tokens_per_s=result.tokens_generated / wall, learner_train_s=result.train_s,
                gen_s=result.gen_s, sync_paused_s=result.sync_s, sleep_s=result.sleep_s, dropped=result.dropped,
-               unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak),
+               unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak), learner_precompile_s=precompile_s,
+               learner_options=learner_speed_options(args),
                staleness_mean=common.staleness_mean(pipe.receiver.statistics().staleness))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
