@@ -147,3 +147,14 @@ def test_compiled_head_maths_equals_eager_with_entropy_and_temperature() -> None
         results.append((lp, ent, *grads))
     for eager, fused in zip(*results):
         torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_under_autocast_runs_in_the_autocast_dtype(model, varlen_model, monkeypatch) -> None:
+    seen: list[torch.dtype] = []
+    real = varlen.varlen_causal
+    monkeypatch.setattr(varlen, "varlen_causal", lambda q, *a: seen.append(q.dtype) or real(q, *a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = completion_logprobs(model, PROMPTS, COMPLETIONS, packed=False)
+        out = completion_logprobs(varlen_model, PROMPTS, COMPLETIONS, packed=True)
+    assert seen and set(seen) == {torch.bfloat16}  # a float32 model's q/k/v, cast as sdpa casts them
+    assert float((out.logprobs - ref.logprobs).abs().max()) < 0.05  # bf16 rounding, not a different result

@@ -99,6 +99,10 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
         raise ValueError("varlen attention does not support sliding-window layers")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (query, key, value))  # [B * L, H, D]
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as sdpa does under autocast (rotary leaves q and k in float32)
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_causal(q, k, v, segments, scale)
     return out.view(query.shape[0], query.shape[2], *out.shape[1:]), None
 
