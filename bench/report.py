@@ -252,7 +252,33 @@ def headline_block(results_dir: Path) -> str:
         m = r["models"][0]
         lines.append(f"- Weight sync: generation paused {ms(m['total_paused_s'])} for a {num(m['mib'], 0)} MiB "
                      f"model, {num(m['ratio_to_reload_floor'])}x vLLM's own reload ({source}).")
-    return "\n".join(lines) or "(no results yet)"
+    return "\n".join(lines + gpu_headlines(results_dir)) or "(no results yet)"
+
+
+def gpu_headlines(results_dir: Path) -> list[str]:
+    lines = []
+    if (x := _load(results_dir, "gpu_workload_h200")) is not None:
+        from bench.gpu_workload import summarise
+
+        r, source = x
+        ratios = summarise(r)
+        for shape, side in ((k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v):
+            ours, trl = side["ours"].get("async"), side.get("trl")
+            if ours and trl and f"{shape}/async_over_trl" in ratios:
+                lines.append(f"- GPU, {shape}, long-tailed completions: ours async trains "
+                             f"{num(ours['samples_per_s'], 1)} samples/s against TRL GRPOTrainer (vLLM colocate) at "
+                             f"{num(trl['samples_per_s'], 1)}: "
+                             f"**{num(ratios[f'{shape}/async_over_trl'])}x** in samples/s, "
+                             f"**{num(ratios[f'{shape}/async_over_trl_tokens'])}x** in completion tokens/s ({source}).")
+    if (x := _load(results_dir, "learner_speed_h200_ladder")) is not None:
+        r, source = x
+        best = max(r["runs"], key=lambda run: run["tokens_per_s"])
+        first = r["runs"][0]
+        gain = best["tokens_per_s"] / first["tokens_per_s"]
+        lines.append(f"- Learner, {r['shape']} bf16: **{num(best['tokens_per_s'], 0)} tokens/s, MFU "
+                     f"{pct(best['mfu'])}** with varlen attention and compiled element-wise chains, {num(gain)}x "
+                     f"packed sdpa in the same run ({source}).")
+    return lines
 
 
 def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:

@@ -45,10 +45,11 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
             if side:
                 rows.append([label, f"**{num(side['samples_per_s'], 1)}**", num(side.get("samples_per_s_steady"), 1),
                              num(side["completion_tokens_per_s"], 0), num(side["completion_len_mean"], 0),
-                             num(sum(side["rewards"]) / len(side["rewards"]), 3)])
-        lines += [f"**{shape}** ({num(x['warm_start'].get('params', 0) / 1e6, 0)}M parameters)", ""]
+                             num(sum(side["rewards"]) / len(side["rewards"]), 3), num(side.get("learner_train_s"), 1)])
+        lines += [f"**{shape}** ({num(x['warm_start'].get('params', 0) / 1e6, 0)}M parameters; ours' learner: "
+                  f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
-                        "mean reward"], rows) + [""]
+                        "mean reward", "ours: learner s"], rows) + [""]
     from bench.gpu_workload import summarise  # from the sides' figures, so files from before _tokens get it too
 
     summary = summarise(r)
@@ -61,6 +62,16 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
     return lines + [f"Ratios over the whole run, trained samples/s: {ratios(False)}.",
                     f"Completion tokens/s: {ratios(True)}. Where a side trains shorter completions than "
                     "another (mean length), its samples/s ratio flatters it; the tokens/s ratio does not."]
+
+
+def _learner_options(x: dict[str, Any]) -> str:
+    # Files from before ``--learner`` have no options recorded: their learner ran 8-rollout padded micro-batches.
+    ours = x.get("ours", {})
+    options = next((ours[m]["learner_options"] for m in ("async", "sync") if "learner_options" in ours.get(m, {})),
+                   None)
+    if not options:
+        return "padded rows, 8-rollout micro-batches"
+    return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def sleep_mode(r: dict[str, Any]) -> list[str]:

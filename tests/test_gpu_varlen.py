@@ -1,5 +1,6 @@
-"""torch's flash varlen kernel behind ``algorithms.varlen`` on a CUDA GPU, against the per-sequence reference, and
-a bf16 learner's log-probs and gradients under varlen (and compiled element-wise chains) against padded sdpa. Deselected by default:
+"""torch's flash varlen kernel behind ``algorithms.varlen`` on a CUDA GPU, against the per-sequence reference,
+and a bf16 learner's log-probs and gradients under varlen (and compiled element-wise chains) against padded
+sdpa. Deselected by default:
 
     python3 -m pytest -m gpu tests/test_gpu_varlen.py
 """

@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--varlen", action="store_true", help="LearnerConfig(varlen_attention=True); needs --packing")
     p.add_argument("--compile", action="store_true", help="LearnerConfig(compile_elementwise=True)")
     p.add_argument("--ladder", action="store_true",
-                   help="packed rows: sdpa, varlen, varlen + compiled element-wise chains; both at 1x and 2x micro-batch tokens")
+                   help="packed rows: sdpa, varlen, varlen + compiled element-wise chains; both at 1x and 2x "
+                        "micro-batch tokens")
     p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
                    help="log-probs from the last hidden states, chunked (the learner's path for transformers "
                         "decoders), or from the model's full logits (the path before it); both: side by side")
@@ -116,8 +117,8 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
                  {"varlen_attention": True, "micro_batch_tokens": 2 * tokens},
                  {"varlen_attention": True, "compile_elementwise": True},
                  {"varlen_attention": True, "compile_elementwise": True, "micro_batch_tokens": 2 * tokens}]
-        return [{"packing": True, "gradient_checkpointing": False, "micro_batch_tokens": tokens} | v | {"scoring": "hidden"}
-                for v in steps]
+        base = {"packing": True, "gradient_checkpointing": False, "micro_batch_tokens": tokens}
+        return [base | v | {"scoring": "hidden"} for v in steps]
     pairs = [(p, c) for p in (False, True) for c in (False, True)] if args.all else [(args.packing, args.grad_ckpt)]
     scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
     return [{"packing": p, "gradient_checkpointing": c, "micro_batch_tokens": args.micro_batch_tokens,
