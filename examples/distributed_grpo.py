@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--micro-batch-rollouts", type=int, default=64)
+    p.add_argument("--packing", choices=("off", "rows", "varlen"), default="off",
+                   help="pack rows (LearnerConfig.packing); varlen: and attend through varlen kernels")
     p.add_argument("--producers", type=int, default=2)
     p.add_argument("--reward", choices=("exact", "digits"), default="exact",
                    help="exact: the sum; digits: the share of digit characters (a dense signal for smoke runs)")
@@ -87,6 +89,7 @@ def learner_config(args: argparse.Namespace) -> Any:
     from asyncrl import LearnerConfig, SyncConfig
 
     return LearnerConfig(batch_groups=args.batch_groups, lr=args.lr, micro_batch_rollouts=args.micro_batch_rollouts,
+                         packing=args.packing != "off", varlen_attention=args.packing == "varlen",
                          sync=SyncConfig(every=1, mode="keep"))
 
 

@@ -84,20 +84,22 @@ RUN_ARGS = ["--steps", "3", "--batch-groups", "4", "--group-size", "4", "--max-t
 @pytest.mark.vllm
 @pytest.mark.timeout(240)
 @pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("packing", ["off", "varlen"])  # varlen: packed rows, varlen attention, on every rank
 async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server, tiny_model_dir: Path,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path, packing: str) -> None:
     from safetensors.torch import load_file
 
     from asyncrl.algorithms.logprobs import completion_logprobs
     from examples import distributed_grpo as example
     from tests.support import load_hf_model
 
-    argv = ["--model-dir", str(tiny_model_dir), *RUN_ARGS]
+    argv = ["--model-dir", str(tiny_model_dir), *RUN_ARGS, "--packing", packing]
     done = _torchrun("fsdp_learner.py", "--out", str(tmp_path), "--servers", server.base_url, *argv)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     batches = pickle.loads((tmp_path / "batches.pkl").read_bytes())
     assert result["steps"] == 3 and result["version"] == 3 and len(batches) == 3
+    assert result["attention"] == ("asyncrl_varlen" if packing == "varlen" else "sdpa")
     assert len(list((tmp_path / "final").glob("*.safetensors"))) > 1  # published bucket by bucket
 
     # The same batches through the single-process learner: the same losses and the same weights. Both score

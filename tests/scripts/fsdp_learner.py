@@ -64,7 +64,7 @@ async def lead(args: argparse.Namespace, out: Path, backend) -> dict:  # type: i
     finally:
         await pool.close()
     doc = {"steps": result.steps, "version": result.version, "losses": losses, "grad_norms": norms,
-           "engine_logprobs": logprobs}
+           "engine_logprobs": logprobs, "attention": backend.model.config._attn_implementation}
     (out / "result.json").write_text(json.dumps(doc))
     return doc
 
