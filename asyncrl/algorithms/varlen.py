@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,9 @@ def varlen_causal(q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: fl
     """Causal attention within each segment: ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _flash(q, k, v, segments, scale)
+    if q.is_cuda:  # correct but one kernel launch per sequence: say so (Python shows it once per place)
+        warnings.warn(f"varlen attention on a GPU in {q.dtype} runs the per-sequence reference, not flash: "
+                      "use a bf16/fp16 model or autocast", RuntimeWarning, stacklevel=2)
     return reference_varlen_causal(q, k, v, segments, scale)
 
 
