@@ -85,13 +85,13 @@ def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
 
 
 def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,
-               active_groups: int, autocast: str | None, packing: bool = False, compiled: bool = False,
+               active_groups: int, config: LearnerConfig,
                grad_sync: Callable[[bool], None] | None = None) -> tuple[float, dict[str, float]]:
     """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
     over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
-    up to the batch's. ``packing``: losses that score through ``completion_logprobs`` pack their rows;
-    ``compiled``: and run the log-prob head's chunk maths compiled.
+    up to the batch's. ``config`` sets the precision (``autocast``) and how losses that score through
+    ``completion_logprobs`` do it (``packing``; ``compile_elementwise`` for the log-prob head's chunk maths).
     ``grad_sync(last)`` runs before each backward: a sharded model reduces its gradients on the last one only."""
     batch_loss: Tensor | float = 0.0
     sums: dict[str, Tensor | float] = {}
@@ -99,7 +99,8 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
         if grad_sync is not None:
             grad_sync(i == len(parts) - 1)
         with attention_kernels():  # the backward too: gradient checkpointing recomputes the forward there
-            with precision(model, autocast), packed_scoring(packing), compiled_head(compiled):
+            with (precision(model, config.autocast), packed_scoring(config.packing),
+                  compiled_head(config.compile_elementwise)):
                 out = loss.compute(model, chunk.groups)
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
@@ -196,8 +197,8 @@ def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
 
 
 def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
-    """Apply the learner's model-level settings: variable-length attention for packed rows, and gradient
-    checkpointing (activations of each block are dropped after the forward and recomputed in the backward,
+    """Apply the learner's model-level settings: variable-length attention for packed rows, compiled
+    element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward and recomputed in the backward,
     trading about a third more compute for memory)."""
     if config.varlen_attention:
         varlen.install(model)
@@ -246,8 +247,7 @@ class LocalBackend:
         active = [g for g in batch if not is_inert(self.loss, cfg, g)]
         parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts, cfg.micro_batch_tokens)] if active else []
         batch_loss, sums = accumulate(self.model, self.loss, parts, total_tokens=total_tokens,
-                                      active_groups=len(active), autocast=cfg.autocast, packing=cfg.packing,
-                                      compiled=cfg.compile_elementwise)
+                                      active_groups=len(active), config=cfg)
         if not active:
             zero_grads(self.model)
         grad_norm = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, step)

@@ -162,9 +162,7 @@ class FSDPBackend:
             self.optimizer.zero_grad(set_to_none=True)
             batch_loss, sums = accumulate(self.model, self.loss, shard.chunks, total_tokens=shard.total_tokens,
                                           active_groups=max(1, shard.active_groups),
-                                          autocast=self.config.autocast, packing=self.config.packing,
-                                          compiled=self.config.compile_elementwise,
-                                          grad_sync=self._grad_sync)
+                                          config=self.config, grad_sync=self._grad_sync)
             if shard.active_groups == 0:
                 zero_grads(self.model)
             keys = sorted(sums)  # the same on every rank: every rank scored at least one (maybe padding) chunk
