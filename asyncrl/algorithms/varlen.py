@@ -16,11 +16,12 @@ unmasked call with restarting positions is split at the restarts (one host sync 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,12 +139,18 @@ def reference_varlen_causal(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
     return torch.cat(outs)
 
 
-def _flash(q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float) -> Tensor:
+@functools.cache
+def _varlen_attn() -> tuple[Callable[..., Tensor], frozenset[str]]:
+    """torch's kernel and its parameter names, looked up once rather than in every layer's call."""
     from torch.nn.attention.varlen import varlen_attn
 
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float) -> Tensor:
     # The signature grew across torch releases (2.11: a causal window but no grouped-query heads; 2.13: both):
     # ask for what it offers, do the rest here.
-    params = inspect.signature(varlen_attn).parameters
+    varlen_attn, params = _varlen_attn()
     kwargs: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" in params:

@@ -126,22 +126,26 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
             for (p, c), s in itertools.product(pairs, scorings)]
 
 
+def learner_config(args: argparse.Namespace, variant: dict[str, Any]) -> Any:
+    from asyncrl.config import LearnerConfig
+
+    return LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts,
+                         **{k: v for k, v in variant.items() if k != "scoring"})
+
+
 def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dict[str, Any]:
     from asyncrl.algorithms.head import scoring_from_logits
 
-    settings = {k: v for k, v in variant.items() if k != "scoring"}
     with scoring_from_logits() if variant["scoring"] == "logits" else contextlib.nullcontext():
-        return _measure(args, base, settings) | {"scoring": variant["scoring"]}
+        return _measure(args, base, learner_config(args, variant)) | {"scoring": variant["scoring"]}
 
 
-def _measure(args: argparse.Namespace, base: Any, settings: dict[str, Any]) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     import torch
 
     from asyncrl.actors.training import LocalBackend, forward_tokens
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
-    from asyncrl.config import LearnerConfig
 
-    cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, **settings)
     packing, grad_ckpt = cfg.packing, cfg.gradient_checkpointing
     model = copy.deepcopy(base)
     backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
@@ -191,13 +195,16 @@ def main(argv: list[str] | None = None) -> None:
         waste = r["computed_tokens_per_step"] / r["tokens_per_step"]
         print(f"{variant}: {r['tokens_per_s']:.0f} tokens/s, MFU {100 * r['mfu']:.3f}%, "
               f"computed/real tokens {waste:.2f}, warm-up {r['warm_up_s']:.1f} s", flush=True)
+    result.write({"shape": args.shape, "runs": runs}, suffix=suffix(args))
+
+
+def suffix(args: argparse.Namespace) -> str:
+    """The result file's name after the device: which variants ran."""
     if args.ladder:
-        suffix = "_ladder"
-    else:
-        suffix = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
-        suffix += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
-        suffix += "_scoring" if args.scoring == "both" else ""
-    result.write({"shape": args.shape, "runs": runs}, suffix=suffix)
+        return "_ladder"
+    out = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
+    out += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
+    return out + ("_scoring" if args.scoring == "both" else "")
 
 
 if __name__ == "__main__":

@@ -46,14 +46,11 @@ def main() -> None:
 
     from asyncrl.actors.training import LocalBackend, forward_tokens
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
-    from asyncrl.config import LearnerConfig
 
     args = learner_speed.parse_args()
     common.set_env()
     model = learner_speed.build(args)
-    cfg = LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, micro_batch_tokens=args.micro_batch_tokens,
-                        packing=args.packing, gradient_checkpointing=args.grad_ckpt,
-                        varlen_attention=args.varlen and args.packing, compile_elementwise=args.compile)
+    cfg = learner_speed.learner_config(args, learner_speed.variants(args)[0])
     backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     for s in range(3):
@@ -73,13 +70,12 @@ def main() -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     flops = 6 * sum(p.numel() for p in model.parameters()) * sum(forward_tokens(g) for g in groups)
-    suffix = "_packed" * args.packing + "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
     result = common.Result("learner_profile", args)
     result.doc["command"] = " ".join(["python", "-m", "bench.gpu.profile_learner", *sys.argv[1:]])
     result.write(
         {"shape": args.shape, "step_wall_s": wall, "kernel_s": kinds, "kernel_total_s": device,
          "mfu": flops / wall / args.peak_flops, "mfu_matmul_bound": flops / kinds["matmul"] / args.peak_flops},
-        suffix=suffix)
+        suffix=learner_speed.suffix(args))
 
 
 if __name__ == "__main__":
