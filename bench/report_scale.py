@@ -109,11 +109,10 @@ def learner_speed(r: dict[str, Any]) -> list[str]:
              num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
              f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
             for x in r["runs"]]
-    return table(["rows", "attention", "compiled", "micro-batch tokens", "grad ckpt", "log-probs from",
-                  "step s", "real tokens/step", "computed/real", "tokens/s",
-                  "MFU",
-                  "peak GiB"], rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s "
-                                            "(H200 dense bf16); goal 40%."]
+    header = ["rows", "attention", "compiled", "micro-batch tokens", "grad ckpt", "log-probs from", "step s",
+              "real tokens/step", "computed/real", "tokens/s", "MFU", "peak GiB"]
+    return table(header, rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s (H200 dense "
+                                      "bf16); goal 40%."]
 
 
 def learner_profile(r: dict[str, Any]) -> list[str]:
