@@ -100,6 +100,10 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     batches = pickle.loads((tmp_path / "batches.pkl").read_bytes())
     assert result["steps"] == 3 and result["version"] == 3 and len(batches) == 3
     assert result["attention"] == ("asyncrl_varlen" if packing == "varlen" else "sdpa")
+    for rank in (0, 1):  # nothing of the run outlives run_ranks into interpreter finalisation (see close_ranks)
+        left = json.loads((tmp_path / f"rank{rank}.exit.json").read_text())
+        assert left["control_group_freed"], left
+        assert not [t for t in left["threads"] if t.startswith("asyncrl")], left
     assert len(list((tmp_path / "final").glob("*.safetensors"))) > 1  # published bucket by bucket
 
     # The same batches through the single-process learner: the same losses and the same weights. Both score

@@ -16,6 +16,7 @@ or the Ray launcher) stops whatever is left.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import logging
 import os
 import threading
@@ -79,9 +80,16 @@ def init_ranks(*, collective_timeout_s: float = 300.0, control_timeout_s: float 
 
 
 def close_ranks() -> None:
-    """Leave the process group (after the last command). Idempotent."""
+    """Leave the process group (after the last command). Idempotent.
+
+    Destroying a group only shuts it down; its gloo worker threads live until the group is collected. Collect
+    now, while the interpreter is whole: the control group carries the last command (the stop), and a gloo
+    worker that lets go of that command's tensors during interpreter finalisation needs the GIL there and
+    aborts the process ("terminate called without an active exception") after a run that succeeded. (torch's
+    DTensor caches may keep the default group alive; its last collectives came before the stop.)"""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def _free_port() -> int:

@@ -50,15 +50,18 @@ def run_ranks(setup: Callable[[RankContext], FSDPBackend],
               lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]], **init: Any) -> T | None:
     """Join the ranks (``init`` goes to ``init_ranks``), build the backend on each, then rank 0 runs ``lead``
     under uvloop while the others serve. Returns ``lead``'s result on rank 0, None elsewhere."""
-    ctx = init_ranks(**init)
+    result = _rank_main(init_ranks(**init), setup, lead)
+    close_ranks()  # nothing here holds the backend or its groups any more, so close_ranks can free them
+    return result
+
+
+def _rank_main(ctx: RankContext, setup: Callable[[RankContext], FSDPBackend],
+               lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]]) -> T | None:
     backend = setup(ctx)
     if not ctx.leader:
         backend.serve()
-        close_ranks()
         return None
-    result = run(_leading(backend, lead))
-    close_ranks()
-    return result
+    return run(_leading(backend, lead))
 
 
 async def _leading(backend: FSDPBackend, lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]]) -> T:

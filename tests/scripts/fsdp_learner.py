@@ -5,7 +5,9 @@
 
 Rank 0 records every batch it trains on (``OUT/batches.pkl``) and each step's metrics; at the end it gathers
 the final weights once more (``OUT/final/``) and asks the server for the log-probs of fixed sequences
-(``OUT/result.json``), with the engine still holding the last publication. Every rank writes its pid.
+(``OUT/result.json``), with the engine still holding the last publication. Every rank writes its pid, and
+once ``run_ranks`` has returned, whether its control group is freed and which threads are left
+(``OUT/rankN.exit.json``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import pickle
 import shutil
 import sys
+import threading
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -80,7 +84,15 @@ def main() -> None:
     args.fake = known.fake
     known.out.mkdir(parents=True, exist_ok=True)
     (known.out / f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
-    run_ranks(functools.partial(example.setup, args), functools.partial(lead, args, known.out))
+    control: list[weakref.ref] = []
+
+    def setup(ctx):  # type: ignore[no-untyped-def]
+        control.append(weakref.ref(ctx.control))
+        return example.setup(args, ctx)
+
+    run_ranks(setup, functools.partial(lead, args, known.out))
+    left = {"control_group_freed": control[0]() is None, "threads": [t.name for t in threading.enumerate()]}
+    (known.out / f"rank{os.environ['RANK']}.exit.json").write_text(json.dumps(left))
 
 
 if __name__ == "__main__":
