@@ -227,8 +227,7 @@ def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
     """Seconds spent compiling the learner's element-wise kernels before the timed run, on a throwaway copy
-    (compiled code is shared by every instance of a module class): a large and a small batch, so both sides of
-    the size thresholds inductor guards on are compiled."""
+    (compiled code is shared by every instance of a module class)."""
     if not cfg.compile_elementwise:
         return 0.0
     import copy
@@ -237,13 +236,13 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
 
     from asyncrl.actors.training import LocalBackend
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+    from bench.gpu.learner_speed import warm_up
 
     t0 = time.perf_counter()
     twin = copy.deepcopy(model)
     backend = LocalBackend(twin, torch.optim.SGD(twin.parameters(), lr=0.0), GRPOLoss(LossConfig()), cfg)
-    vocab = model.config.vocab_size
-    for groups in (args.batch_groups, 1):
-        backend.train_step(common.synthetic_groups(groups, args.n, 200, (20, args.max_tokens), vocab, 0), 0)
+    warm_up(backend, common.synthetic_groups(args.batch_groups, args.n, 200, (20, args.max_tokens),
+                                             model.config.vocab_size, 0))
     del backend, twin
     free_gpu()
     return time.perf_counter() - t0

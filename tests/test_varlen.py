@@ -1,7 +1,7 @@
 """Variable-length attention for packed rows, and compiled element-wise chains (MLP and RMSNorm modules, the
 log-prob head's chunk maths): the same log-probs and the same learner step as padded sdpa in eager mode, with
-each sequence kept to itself. On CPU the varlen kernel is the per-sequence
-reference; tests/test_gpu_varlen.py checks torch's flash kernel against it on a GPU."""
+each sequence kept to itself. On CPU the varlen kernel is the per-sequence reference; tests/test_gpu_varlen.py
+checks torch's flash kernel against it on a GPU."""
 
 from __future__ import annotations
 

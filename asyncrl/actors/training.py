@@ -198,8 +198,8 @@ def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
 
 def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
     """Apply the learner's model-level settings: variable-length attention for packed rows, compiled
-    element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward and recomputed in the backward,
-    trading about a third more compute for memory)."""
+    element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward
+    and recomputed in the backward, trading about a third more compute for memory)."""
     if config.varlen_attention:
         varlen.install(model)
     if config.compile_elementwise:

@@ -120,16 +120,12 @@ class _ChosenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         wants_entropy = ctx.with_entropy and grad_entropy is not None
-        fused = _fused("backward") if ctx.compiled else None
+        chunk_grad = _fused("backward") if ctx.compiled else _chunk_grad_in_place
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = s + ctx.chunk
             h = h_all[s:e]
-            if fused is not None:
-                g = fused(torch.nn.functional.linear(h, w), targets[s:e], lse[s:e], entropy[s:e],
-                          grad_logprobs[s:e], grad_entropy[s:e] if wants_entropy else None, t)
-            else:
-                g = _chunk_grad_in_place(torch.nn.functional.linear(h, w), targets[s:e], lse[s:e], entropy[s:e],
-                                         grad_logprobs[s:e], grad_entropy[s:e] if wants_entropy else None, t)
+            g = chunk_grad(torch.nn.functional.linear(h, w), targets[s:e], lse[s:e], entropy[s:e],
+                           grad_logprobs[s:e], grad_entropy[s:e] if wants_entropy else None, t)
             if grad_hidden is not None:
                 grad_hidden[s:e] = (g @ w).to(hidden.dtype)
             if grad_weight is not None:

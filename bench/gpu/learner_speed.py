@@ -133,6 +133,13 @@ def learner_config(args: argparse.Namespace, variant: dict[str, Any]) -> Any:
                          **{k: v for k, v in variant.items() if k != "scoring"})
 
 
+def warm_up(backend: Any, groups: list[Any]) -> None:
+    """Train on a full batch, then on a lone group: allocator, kernels, and compiling when asked, on both sides
+    of the size thresholds inductor guards on."""
+    for part in (groups, groups[:1]):
+        backend.train_step(part, 0)
+
+
 def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dict[str, Any]:
     from asyncrl.algorithms.head import scoring_from_logits
 
@@ -153,10 +160,8 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     t_warm = time.perf_counter()
     warm = batch(args, vocab, 0)
-    # warm-up: allocator, kernels, and compiling when asked, on both sides of the size thresholds inductor
-    # guards on (a full batch, then a lone group)
-    for groups in (warm, warm[:1], warm):
-        backend.train_step(groups, 0)
+    warm_up(backend, warm)
+    backend.train_step(warm, 0)  # the allocator back at full size
     warm_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.synchronize()
