@@ -199,6 +199,11 @@ class LearnerConfig:
     # transformers decoder (SiLU times the up projection; the float32 norm) and the log-prob head's per-chunk
     # softmax, forward and backward, so each runs as one fused kernel. Costs a compile on the first steps.
     compile_elementwise: bool = False
+    # ``torch.compile`` (dynamic shapes) each decoder layer whole instead, plus the final norm and the same
+    # log-prob head: besides the chains above, rotary embeddings, casts and residual adds fuse too, and a layer
+    # is one compiled call rather than dozens of eager launches (the host stops lagging the device). Meant
+    # with ``varlen_attention``, whose flash kernel compiles in the graph; the CPU reference splits it.
+    compile_layers: bool = False
     # Recompute each transformer block's activations in the backward pass instead of keeping them (the model's
     # ``gradient_checkpointing_enable()``): much less activation memory for about a third more compute, so
     # larger micro-batches fit. The step is the same.
@@ -225,7 +230,7 @@ class LearnerConfig:
         tokens = self.micro_batch_tokens
         _require(tokens is None or (type(tokens) is int and tokens > 0), self, "micro_batch_tokens",
                  f"must be None (count rollouts) or a positive integer, got {tokens!r}")
-        for name in ("packing", "varlen_attention", "compile_elementwise", "gradient_checkpointing"):
+        for name in ("packing", "varlen_attention", "compile_elementwise", "compile_layers", "gradient_checkpointing"):
             _require(isinstance(getattr(self, name), bool), self, name, f"must be a bool, got {getattr(self, name)!r}")
         _require(self.packing or not self.varlen_attention, self, "varlen_attention",
                  "needs packing=True (it attends within packed rows)")

@@ -12,7 +12,7 @@ from asyncrl.actors.rewards import RewardFn
 from asyncrl.actors.training import TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
-from asyncrl.config import ConfigError, PipelineConfig
+from asyncrl.config import ConfigError, LearnerConfig, PipelineConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.episodes.types import EnvFactory
@@ -61,8 +61,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
         learner = Learner(None, None, None, receiver, sync, config.learner, monitor=monitor, step=step,
                           backend=backend)
     else:
-        optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=config.learner.lr,
-                                                   weight_decay=config.learner.weight_decay)
+        optimizer = optimizer or default_optimizer(model, config.learner)
         learner = Learner(model, optimizer, loss, receiver, sync, config.learner, monitor=monitor, step=step)
     return Pipeline(engine, producers, learner, config, close_engine=close_engine)
 
@@ -80,3 +79,10 @@ def check_group_size(loss: Loss, config: PipelineConfig) -> None:
     if n < loss.min_group_size:
         raise ConfigError("SamplingConfig.n", f"{type(loss).__name__} needs groups of at least "
                                               f"{loss.min_group_size} samples to learn anything, got n={n}")
+
+
+def default_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
+    """AdamW at the learner's ``lr`` and ``weight_decay``; on a GPU its fused kernel, one launch per step for
+    all parameters rather than a handful per parameter group and operation."""
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)

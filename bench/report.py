@@ -275,9 +275,12 @@ def gpu_headlines(results_dir: Path) -> list[str]:
         best = max(r["runs"], key=lambda run: run["tokens_per_s"])
         first = r["runs"][0]
         gain = best["tokens_per_s"] / first["tokens_per_s"]
+        compiled = {"layers": "compiled decoder layers", "chains": "compiled element-wise chains",
+                    "off": "nothing compiled"}[report_scale.compiled_kind(best)]
         lines.append(f"- Learner, {r['shape']} bf16: **{num(best['tokens_per_s'], 0)} tokens/s, MFU "
-                     f"{pct(best['mfu'])}** with varlen attention and compiled element-wise chains, {num(gain)}x "
-                     f"packed sdpa in the same run ({source}).")
+                     f"{pct(best['mfu'])}** with varlen attention, {compiled} and "
+                     f"{num(best['micro_batch_tokens'], 0)}-token micro-batches, {num(gain)}x packed sdpa in the "
+                     f"same run ({source}).")
     return lines
 
 

@@ -103,7 +103,7 @@ def learner_speed(r: dict[str, Any]) -> list[str]:
     # Files from before scoring from hidden states have no "scoring": they scored from the full logits; files
     # from before varlen attention and compiled modules have neither.
     rows = [["packed" if x["packing"] else "padded", "varlen" if x.get("varlen") else "sdpa",
-             "on" if x.get("compiled") else "off", num(x.get("micro_batch_tokens"), 0),
+             compiled_kind(x), num(x.get("micro_batch_tokens"), 0),
              "on" if x["grad_ckpt"] else "off", x.get("scoring", "logits"),
              num(x["step_s"], 3),
              num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
@@ -113,6 +113,11 @@ def learner_speed(r: dict[str, Any]) -> list[str]:
               "real tokens/step", "computed/real", "tokens/s", "MFU", "peak GiB"]
     return table(header, rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s (H200 dense "
                                       "bf16); goal 40%."]
+
+
+def compiled_kind(run: dict[str, Any]) -> str:
+    """What a learner run compiled: whole decoder layers, the element-wise chains, or nothing."""
+    return "layers" if run.get("compiled_layers") else "chains" if run.get("compiled") else "off"
 
 
 def learner_profile(r: dict[str, Any]) -> list[str]:

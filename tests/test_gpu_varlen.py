@@ -1,6 +1,6 @@
 """torch's flash varlen kernel behind ``algorithms.varlen`` on a CUDA GPU, against the per-sequence reference,
-and a bf16 learner's log-probs and gradients under varlen (and compiled element-wise chains) against padded
-sdpa. Deselected by default:
+and a bf16 learner's log-probs and gradients under varlen (eager, compiled element-wise chains, or compiled
+layers) against padded sdpa. Deselected by default:
 
     python3 -m pytest -m gpu tests/test_gpu_varlen.py
 """
@@ -36,11 +36,12 @@ def test_flash_varlen_matches_the_reference_forward_and_backward(kv_heads: int) 
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: bool) -> None:
+@pytest.mark.parametrize("compiled", ["off", "elementwise", "layers"])
+def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: str) -> None:
+    from torch._dynamo.utils import counters
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.actors.training import compile_elementwise
+    from asyncrl.actors.training import compile_elementwise, compile_layers
     from asyncrl.algorithms.head import compiled_head
 
     torch.manual_seed(0)
@@ -54,11 +55,12 @@ def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: bool) -> 
     completions = [torch.randint(1, 512, (c,), generator=gen).tolist() for _, c in lengths]
     fast = copy.deepcopy(model)
     varlen.install(fast)
-    if compiled:
-        compile_elementwise(fast)
+    if compiled != "off":
+        (compile_layers if compiled == "layers" else compile_elementwise)(fast)
+    counters.clear()
     results = []
     for m, packed in ((model, False), (fast, True)):
-        with compiled_head(compiled and packed):
+        with compiled_head(compiled != "off" and packed):
             out = completion_logprobs(m, prompts, completions, packed=packed)
         (out.logprobs.sum() / out.mask.sum()).backward()
         results.append((out, torch.cat([p.grad.float().flatten() for p in m.parameters()])))
@@ -66,3 +68,5 @@ def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: bool) -> 
     diff = (got.logprobs - ref.logprobs).detach().abs().sum() / ref.mask.sum()
     assert float(diff) < 0.02  # mean |difference| per scored token, bf16
     assert float(torch.nn.functional.cosine_similarity(got_grad, ref_grad, dim=0)) > 0.999
+    if compiled == "layers":  # the flash kernel is traced into each layer's graph, not a break in it
+        assert not counters["graph_break"], dict(counters["graph_break"])

@@ -244,3 +244,55 @@ def test_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> 
     with pytest.raises(ConfigError) as info:
         LearnerConfig(**kwargs)  # type: ignore[arg-type]
     assert info.value.field == f"LearnerConfig.{field}"
+
+
+def _reference_layout(prompts, completions, pad_id, placement, loss_masks):  # type: ignore[no-untyped-def]
+    """The layout written one sequence at a time, straight from the ``Rows`` field comments."""
+    n, rows = len(prompts), 1 + max(r for r, _ in placement)
+    width = max(a + len(p) + len(c) for (_, a), p, c in zip(placement, prompts, completions))
+    steps = max(len(c) for c in completions)
+    ids, pos = torch.full((rows, width), pad_id), torch.zeros((rows, width), dtype=torch.long)
+    attn = torch.zeros((rows, width), dtype=torch.long)
+    score_at, targets = torch.zeros((n, steps), dtype=torch.long), torch.full((n, steps), pad_id)
+    mask = torch.zeros((n, steps))
+    last = {}
+    for i, ((row, a), p, c) in enumerate(zip(placement, prompts, completions)):
+        size = len(p) + len(c)
+        ids[row, a:a + size] = torch.tensor([*p, *c])
+        attn[row, a:a + size] = 1
+        pos[row, a:a + size] = torch.arange(size)
+        last[row] = max(last.get(row, (0, 0)), (a + size, size))
+        score_at[i, :len(c)] = torch.arange(a + len(p) - 1, a + len(p) - 1 + len(c))
+        targets[i, :len(c)] = torch.tensor(c)
+        mask[i, :len(c)] = torch.tensor(loss_masks[i] if loss_masks and loss_masks[i] is not None else [1] * len(c))
+    for row, (end, at_end) in last.items():
+        pos[row, end:] = torch.arange(at_end, at_end + width - end)
+    return ids, attn, pos, score_at, targets, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_match_a_sequence_at_a_time_layout(seed: int) -> None:
+    import random
+
+    from asyncrl.algorithms.rows import padded_rows
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    prompts = [[rng.randrange(1, 99) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+    completions = [[rng.randrange(1, 99) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+    masks = [None if rng.random() < 0.5 else [rng.randint(0, 1) for _ in c] for c in completions] \
+        if seed % 2 else None
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    for layout, placement in ((padded_rows(prompts, completions, 0, torch.device("cpu"), masks),
+                               [(i, 0) for i in range(n)]),
+                              (packed_rows(prompts, completions, 0, torch.device("cpu"), masks, row_tokens=12),
+                               pack(lengths, min(12, sum(lengths))))):
+        ids, attn, pos, score_at, targets, mask = _reference_layout(prompts, completions, 0, placement, masks)
+        assert torch.equal(layout.input_ids, ids) and torch.equal(layout.position_ids, pos)
+        assert layout.attention_mask is None if layout.packed else torch.equal(layout.attention_mask, attn)
+        assert torch.equal(layout.row_of, torch.tensor([r for r, _ in placement]))
+        assert torch.equal(layout.score_at, score_at) and torch.equal(layout.targets, targets)
+        assert layout.mask.dtype == torch.float32 and torch.equal(layout.mask, mask)
+        assert torch.equal(layout.scored, mask.flatten().nonzero().squeeze(1))
+        flat_at = (layout.row_of[:, None] * ids.shape[1] + score_at).flatten()
+        assert torch.equal(layout.hidden_at, flat_at[layout.scored])

@@ -122,13 +122,24 @@ def test_compiled_elementwise_keeps_the_step(model) -> None:
     _assert_same_step(compiled, eager, atol=1e-5)
 
 
+def test_compiled_layers_keep_the_step(model) -> None:
+    eager = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, varlen_attention=True))
+    compiled = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, varlen_attention=True,
+                                          compile_layers=True))
+    decoder = compiled[0].model
+    assert all(layer._compiled_call_impl is not None for layer in decoder.layers)
+    assert decoder.norm._compiled_call_impl is not None and decoder.layers[0].mlp._compiled_call_impl is None
+    _assert_same_step(compiled, eager, atol=1e-5)
+
+
 def test_unsupported_settings_fail_naming_the_field() -> None:
     with pytest.raises(ConfigError) as info:
         LearnerConfig(varlen_attention=True)
     assert info.value.field == "LearnerConfig.varlen_attention" and "packing" in str(info.value)
     lin = torch.nn.Linear(2, 2)
     for cfg, field in ((LearnerConfig(packing=True, varlen_attention=True), "varlen_attention"),
-                       (LearnerConfig(compile_elementwise=True), "compile_elementwise")):
+                       (LearnerConfig(compile_elementwise=True), "compile_elementwise"),
+                       (LearnerConfig(compile_layers=True), "compile_layers")):
         with pytest.raises(ConfigError) as info:
             LocalBackend(lin, torch.optim.SGD(lin.parameters(), lr=0.1), GRPOLoss(LossConfig()), cfg)
         assert info.value.field == f"LearnerConfig.{field}"

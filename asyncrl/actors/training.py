@@ -26,7 +26,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import RolloutGroup
 
 __all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
-           "forward_tokens", "is_inert", "precision", "prepare_model"]
+           "compile_elementwise", "compile_layers", "forward_tokens", "is_inert", "precision", "prepare_model"]
 
 
 @runtime_checkable
@@ -100,7 +100,7 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
             grad_sync(i == len(parts) - 1)
         with attention_kernels():  # the backward too: gradient checkpointing recomputes the forward there
             with (precision(model, config.autocast), packed_scoring(config.packing),
-                  compiled_head(config.compile_elementwise)):
+                  compiled_head(config.compile_elementwise or config.compile_layers)):
                 out = loss.compute(model, chunk.groups)
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
@@ -202,7 +202,9 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
     and recomputed in the backward, trading about a third more compute for memory)."""
     if config.varlen_attention:
         varlen.install(model)
-    if config.compile_elementwise:
+    if config.compile_layers:
+        compile_layers(model)
+    elif config.compile_elementwise:
         compile_elementwise(model)
     if not config.gradient_checkpointing:
         return
@@ -224,6 +226,18 @@ def compile_elementwise(model: torch.nn.Module) -> None:
         raise ConfigError("LearnerConfig.compile_elementwise",
                           f"found no *MLP or *RMSNorm module in {type(model).__name__}")
     for module in targets:
+        module.compile(dynamic=True)
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """Compile, in place, every decoder layer (``FooDecoderLayer``) and each RMSNorm outside them (the final
+    norm). Layers share one class, so with dynamic shapes they share one compiled graph."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise ConfigError("LearnerConfig.compile_layers", f"found no *DecoderLayer module in {type(model).__name__}")
+    inside = {id(sub) for layer in layers for sub in layer.modules()}
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and id(m) not in inside]
+    for module in [*layers, *norms]:
         module.compile(dynamic=True)
 
 

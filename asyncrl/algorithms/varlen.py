@@ -16,7 +16,6 @@ unmasked call with restarting positions is split at the restarts (one host sync 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import math
@@ -48,8 +47,10 @@ class Segments:
     def from_lengths(cls, lengths: Sequence[int], device: torch.device) -> Segments:
         if not lengths or min(lengths) <= 0:
             raise ValueError(f"segments need positive lengths, got {list(lengths)!r}")
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        return cls(cu=cu, max_len=max(lengths))
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        if device.type == "cuda":  # from pinned memory the copy does not wait for the device to drain
+            cu = cu.pin_memory()
+        return cls(cu=cu.to(device, non_blocking=True), max_len=max(lengths))
 
 
 def install(model: torch.nn.Module) -> None:
@@ -139,18 +140,26 @@ def reference_varlen_causal(q: Tensor, k: Tensor, v: Tensor, segments: Segments,
     return torch.cat(outs)
 
 
-@functools.cache
-def _varlen_attn() -> tuple[Callable[..., Tensor], frozenset[str]]:
-    """torch's kernel and its parameter names, looked up once rather than in every layer's call."""
-    from torch.nn.attention.varlen import varlen_attn
-
+def _kernel() -> tuple[Callable[..., Tensor] | None, frozenset[str]]:
+    """torch's flash varlen kernel (torch >= 2.10) and its parameter names, or None without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# Looked up once, at import: not in every layer's call, and not where torch.compile traces a layer whole.
+_VARLEN_ATTN, _VARLEN_PARAMS = _kernel()
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, segments: Segments, scale: float) -> Tensor:
     # The signature grew across torch releases (2.11: a causal window but no grouped-query heads; 2.13: both):
     # ask for what it offers, do the rest here.
-    varlen_attn, params = _varlen_attn()
+    varlen_attn, params = _VARLEN_ATTN, _VARLEN_PARAMS
+    if varlen_attn is None:
+        raise RuntimeError(f"varlen attention on a GPU needs torch >= 2.10 (torch.nn.attention.varlen), "
+                           f"this is {torch.__version__}")
     kwargs: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" in params:

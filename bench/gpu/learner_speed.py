@@ -5,7 +5,7 @@ without gradient checkpointing, on synthetic RL batches (completion lengths vary
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --grad-ckpt   # one variant
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --all                   # all four, one file
     python -m bench.gpu.learner_speed --shape qwen2-0.5b --packing --micro-batch-tokens 16384 --scoring both
-    python -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder     # packed; + varlen; + compiled element-wise
+    python -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder     # packed; + varlen; + compiled chains/layers
     python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
 
 The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
@@ -17,9 +17,10 @@ gradient checkpointing's recomputation are not counted as useful work). ``--peak
 H200's dense bf16 peak (989e12). On a GPU it also reports the peak memory allocated. ``--scoring both`` runs each
 variant twice, side by side: log-probs from the last hidden states (the learner's path) and from the model's
 full logits (the path before it). ``--ladder`` adds the learner's speed options one at a time, side by side, on
-packed token-sized micro-batches: sdpa with a block mask; variable-length attention (one row per micro-batch);
-plus compiled element-wise chains (MLP, RMSNorm, log-prob head); the last two also at twice the micro-batch
-tokens. Three warm-up steps run before the timed ones (compiling happens there).
+packed token-sized micro-batches: sdpa with a block mask; variable-length attention (one row per micro-batch),
+at 1x and 2x the micro-batch tokens; plus compiled element-wise chains (MLP, RMSNorm, log-prob head) at 1x, 2x
+and 4x; compiled decoder layers instead at 2x and 4x (4x holds a whole default batch in one micro-batch). Three
+warm-up steps run before the timed ones (compiling happens there); each run records dynamo's graph breaks.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--all", action="store_true", help="every packing x grad-ckpt combination")
     p.add_argument("--varlen", action="store_true", help="LearnerConfig(varlen_attention=True); needs --packing")
     p.add_argument("--compile", action="store_true", help="LearnerConfig(compile_elementwise=True)")
+    p.add_argument("--compile-layers", action="store_true", help="LearnerConfig(compile_layers=True)")
     p.add_argument("--ladder", action="store_true",
-                   help="packed rows: sdpa, varlen, varlen + compiled element-wise chains; both at 1x and 2x "
-                        "micro-batch tokens")
+                   help="packed rows: sdpa, varlen, varlen + compiled element-wise chains, varlen + compiled "
+                        "layers, at several micro-batch token sizes")
     p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
                    help="log-probs from the last hidden states, chunked (the learner's path for transformers "
                         "decoders), or from the model's full logits (the path before it); both: side by side")
@@ -113,16 +115,17 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The learner settings to time, in order, each as ``LearnerConfig`` keywords plus its scoring path."""
     if args.ladder:
         tokens = args.micro_batch_tokens
-        steps = [{"varlen_attention": False}, {"varlen_attention": True},
-                 {"varlen_attention": True, "micro_batch_tokens": 2 * tokens},
-                 {"varlen_attention": True, "compile_elementwise": True},
-                 {"varlen_attention": True, "compile_elementwise": True, "micro_batch_tokens": 2 * tokens}]
+        elementwise, layers = {"compile_elementwise": True}, {"compile_layers": True}
+        steps = [{}, {"varlen_attention": True}, {"varlen_attention": True, "micro_batch_tokens": 2 * tokens},
+                 *({"varlen_attention": True, "micro_batch_tokens": k * tokens} | elementwise for k in (1, 2, 4)),
+                 *({"varlen_attention": True, "micro_batch_tokens": k * tokens} | layers for k in (2, 4))]
         base = {"packing": True, "gradient_checkpointing": False, "micro_batch_tokens": tokens}
         return [base | v | {"scoring": "hidden"} for v in steps]
     pairs = [(p, c) for p in (False, True) for c in (False, True)] if args.all else [(args.packing, args.grad_ckpt)]
     scorings = ("logits", "hidden") if args.scoring == "both" else (args.scoring,)
     return [{"packing": p, "gradient_checkpointing": c, "micro_batch_tokens": args.micro_batch_tokens,
-             "varlen_attention": args.varlen and p, "compile_elementwise": args.compile, "scoring": s}
+             "varlen_attention": args.varlen and p, "compile_elementwise": args.compile,
+             "compile_layers": args.compile_layers, "scoring": s}
             for (p, c), s in itertools.product(pairs, scorings)]
 
 
@@ -149,15 +152,17 @@ def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dic
 
 def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     import torch
+    from torch._dynamo.utils import counters
 
     from asyncrl.actors.training import LocalBackend, forward_tokens
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 
     packing, grad_ckpt = cfg.packing, cfg.gradient_checkpointing
     model = copy.deepcopy(base)
-    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
+    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available()), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     cuda = torch.cuda.is_available()
+    counters.clear()
     t_warm = time.perf_counter()
     warm = batch(args, vocab, 0)
     warm_up(backend, warm)
@@ -173,10 +178,13 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    compiled_graphs = {"graph_breaks": sum(counters["graph_break"].values()), **counters["stats"]}
     tokens = sum(forward_tokens(g) for groups in batches for g in groups)
     params = sum(p.numel() for p in model.parameters())
     out = {"packing": packing, "grad_ckpt": grad_ckpt, "varlen": cfg.varlen_attention,
-           "compiled": cfg.compile_elementwise, "micro_batch_tokens": cfg.micro_batch_tokens,
+           "compiled": cfg.compile_elementwise or cfg.compile_layers, "compiled_layers": cfg.compile_layers,
+           "micro_batch_tokens": cfg.micro_batch_tokens, "graph_breaks": compiled_graphs.get("graph_breaks", 0),
+           "compiled_graphs": compiled_graphs.get("unique_graphs", 0),
            "warm_up_s": warm_s, "steps": args.steps, "step_s": wall / args.steps,
            "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / wall,
            "computed_tokens_per_step": sum(computed_tokens(g, cfg) for g in batches) / args.steps,
@@ -208,7 +216,7 @@ def suffix(args: argparse.Namespace) -> str:
     if args.ladder:
         return "_ladder"
     out = "_all" if args.all else "_" + ("packed" if args.packing else "padded") + ("_ckpt" * args.grad_ckpt)
-    out += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile
+    out += "_varlen" * (args.varlen and args.packing) + "_compiled" * args.compile + "_layers" * args.compile_layers
     return out + ("_scoring" if args.scoring == "both" else "")
 
 

@@ -51,7 +51,7 @@ def main() -> None:
     common.set_env()
     model = learner_speed.build(args)
     cfg = learner_speed.learner_config(args, learner_speed.variants(args)[0])
-    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6), GRPOLoss(LossConfig()), cfg)
+    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available()), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     for s in range(3):
         backend.train_step(learner_speed.batch(args, vocab, s), s)
