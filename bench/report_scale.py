@@ -129,6 +129,20 @@ def learner_profile(r: dict[str, Any]) -> list[str]:
             "can pass at these matmul speeds)."]
 
 
+def host_probe(r: dict[str, Any]) -> list[str]:
+    c = r["cpu_ops"]
+    rows = [[f"torch, {c['torch_threads']} threads (default)", num(c["torch_default_threads_us"], 0)],
+            ["torch, 1 thread", num(c["torch_one_thread_us"], 0)], ["numpy", num(c["numpy_us"], 0)]]
+    out = table(["CPU index maths on a row layout's scale", "us per call"], rows)
+    if (m := r.get("matmul_launch")) is not None:
+        rows = [["every call a new shape", num(m["new_shapes_us"], 1)], ["one shape", num(m["one_shape_us"], 1)],
+                ["16 widths, first pass", num(m["16_widths_first_pass_us"], 1)],
+                ["16 widths, again", num(m["16_widths_again_us"], 1)]]
+        out += ["", *table(["bf16 matmul launches (device busy)", "host us per launch"], rows)]
+    return out + ["", "Why the learner lays rows out in numpy and rounds a one-row micro-batch's width "
+                      "(docs/ARCHITECTURE.md)."]
+
+
 FORMATTERS = {
     "distributed": ("FSDP2 learner across ranks", "Learner tokens/s on 1 and 2 ranks (torchrun, FSDP2, bf16).",
                     distributed),
@@ -144,6 +158,8 @@ FORMATTERS = {
                       "vary 38-384 tokens, prompts 128), bf16 on one H200.", learner_speed),
     "learner_profile": ("Where a learner step's device time goes", "One profiled LocalBackend step, kernels "
                         "grouped by kind (bench/gpu/profile_learner.py).", learner_profile),
+    "host_probe": ("Host costs behind a learner step", "bench/gpu/host_probe.py: matmul launches with new and "
+                   "recurring shapes, and CPU index maths in torch and numpy.", host_probe),
     "tool_use": ("Multi-turn tool use", "examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
                  "before and after RL.", tool_use),
 }

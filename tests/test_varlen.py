@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from asyncrl.actors.training import LocalBackend
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, varlen
 from asyncrl.algorithms.head import chosen_logprobs, compiled_head
+from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import packed_rows
 from asyncrl.config import ConfigError, LearnerConfig
 from tests.test_packing import COMPLETIONS, PROMPTS, _assert_same_step, _model, _step
@@ -88,6 +89,26 @@ def test_varlen_scoring_equals_padded_sdpa(model, varlen_model, kernel_calls, en
     # one row, one kernel call per layer, each over the six sequences
     assert len(kernel_calls) == model.config.num_hidden_layers
     assert all(sorted(c) == [2, 3, 3, 4, 5, 8] for c in kernel_calls)
+
+
+def test_a_large_varlen_row_is_padded_to_a_recurring_width_and_scores_the_same(model, varlen_model,
+                                                                              kernel_calls) -> None:
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 50, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 30, (20,), generator=gen)]
+    completions = [torch.randint(1, 50, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(1, 40, (20,), generator=gen)]
+    total = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+    multiple = width_multiple(total)
+    assert multiple > 1 and total % multiple  # this batch does get padded
+    ref = completion_logprobs(model, prompts, completions, packed=False)
+    out = completion_logprobs(varlen_model, prompts, completions, packed=True)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+    # the row's tail padding is a segment of its own, after the sequences
+    runs = kernel_calls[0]
+    assert len(kernel_calls) == model.config.num_hidden_layers and all(c == runs for c in kernel_calls)
+    assert sum(runs) % multiple == 0 and runs[-1] == -total % multiple and sum(runs[:-1]) == total
+    assert [width_multiple(t) for t in (64, 128, 43000, 65536)] == [1, 2, 512, 1024]
 
 
 def test_a_varlen_model_still_honours_padding_masks_and_unannounced_packing(model, varlen_model,

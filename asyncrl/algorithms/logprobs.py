@@ -61,7 +61,9 @@ def completion_logprobs(
     pack = packing_enabled() if packed is None else packed
     device = _device_of(model)
     if pack and varlen_active(model):  # no quadratic cost in the row width: one row holds the micro-batch
-        batch = packed_rows(prompts, completions, pad_id, device, loss_masks, row_tokens=math.inf)
+        total = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+        batch = packed_rows(prompts, completions, pad_id, device, loss_masks, row_tokens=math.inf,
+                            width_multiple=width_multiple(total))
     else:
         batch = (packed_rows if pack else padded_rows)(prompts, completions, pad_id, device, loss_masks)
     parts = decoder_and_head(model)
@@ -70,6 +72,14 @@ def completion_logprobs(
     else:
         logprobs, entropy = _from_logits(model, batch, temperature, with_entropy)
     return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask, num_scored=len(batch.scored))
+
+
+def width_multiple(tokens: int) -> int:
+    """What a one-row micro-batch of ``tokens`` is padded up to a multiple of: the largest power of two at most
+    ``tokens / 64`` (so under 1.6% padding). Token counts change every step, and each new matmul shape costs
+    cuBLAS a kernel search on the host, an order of magnitude longer than a launch of a shape seen before
+    (bench/gpu/host_probe.py), which left the device waiting; rounded widths recur within a few steps."""
+    return 1 << max(0, (tokens // 64).bit_length() - 1)
 
 
 def _model_inputs(model: torch.nn.Module, batch: Rows) -> dict[str, object]:

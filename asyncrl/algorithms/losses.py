@@ -24,11 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from asyncrl.algorithms.advantages import ESTIMATORS, Estimator, group_advantages
 from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.rows import to_device
 from asyncrl.config import ConfigError
 from asyncrl.types import Rollout, RolloutGroup
 
@@ -267,7 +269,7 @@ class GRPOLoss:
         advantages = self.advantages(groups)
         behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
-        loss, metrics = policy_loss(scored.logprobs, old, behaviour, advantages.to(device), scored.mask,
+        loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
                                     self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
                                     entropy=scored.entropy)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
@@ -308,10 +310,10 @@ def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:
 
 
 def _padded(rows: Sequence[Sequence[float]], width: int, device: torch.device) -> Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    out = np.zeros((len(rows), width), dtype=np.float32)
     for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
-    return out.to(device)
+        out[i, : len(row)] = row
+    return to_device(out, device)
 
 
 def _batch_metrics(rollouts: Sequence[Rollout], advantages: Tensor) -> dict[str, float]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,13 +72,15 @@ def padded_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
 
 def packed_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
                 device: torch.device, loss_masks: Sequence[Sequence[int] | None] | None = None,
-                row_tokens: int | float | None = None) -> Rows:
+                row_tokens: int | float | None = None, width_multiple: int = 1) -> Rows:
     """Sequences packed into rows of at most ``row_tokens`` tokens (default: the longest sequence, so a row is
     never wider than the padded layout's and attention, quadratic in row width under sdpa, costs no more;
-    ``math.inf``: one row holding everything, for variable-length attention)."""
+    ``math.inf``: one row holding everything, for variable-length attention). Rows are then widened with
+    padding to a multiple of ``width_multiple``."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     placement = pack(lengths, min(row_tokens or max(lengths), sum(lengths)))
-    return _layout(prompts, completions, pad_id, device, loss_masks, placement, packed=True)
+    return _layout(prompts, completions, pad_id, device, loss_masks, placement, packed=True,
+                   width_multiple=width_multiple)
 
 
 def pack(lengths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
@@ -97,41 +99,41 @@ def pack(lengths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
 
 def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
             device: torch.device, loss_masks: Sequence[Sequence[int] | None] | None,
-            placement: Sequence[tuple[int, int]], *, packed: bool) -> Rows:
-    """Built with a few whole-array operations on the host (not a few per sequence), then sent to ``device`` in
-    one copy: at a learner's micro-batch sizes the per-sequence version cost milliseconds of host time per
-    micro-batch, and each of its copies waited for the device to drain."""
+            placement: Sequence[tuple[int, int]], *, packed: bool, width_multiple: int = 1) -> Rows:
+    """Built with whole-array numpy operations on the host (not a few torch calls per sequence: milliseconds
+    per micro-batch, and on many-core hosts torch's thread pool made each call on ~10^4 elements cost
+    milliseconds more), then sent to ``device`` in one copy that does not wait for the device."""
     n, rows = len(prompts), 1 + max(r for r, _ in placement)
-    p_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    c_len = torch.tensor([len(c) for c in completions], dtype=torch.long)
-    row_of = torch.tensor([r for r, _ in placement], dtype=torch.long)
-    at = torch.tensor([a for _, a in placement], dtype=torch.long)
+    p_len, c_len = (np.fromiter(map(len, seqs), dtype=np.int64, count=n) for seqs in (prompts, completions))
+    row_of = np.fromiter((r for r, _ in placement), dtype=np.int64, count=n)
+    at = np.fromiter((a for _, a in placement), dtype=np.int64, count=n)
     size = p_len + c_len
-    width, steps = int((at + size).max()), int(c_len.max())
+    width, steps = -(-int((at + size).max()) // width_multiple) * width_multiple, int(c_len.max())
     # Every token of every sequence: its flat index in [rows * width] and its position within its sequence.
     local = _ranges(size)
-    flat = torch.repeat_interleave(row_of * width + at, size) + local
-    input_ids = torch.full((rows * width,), pad_id, dtype=torch.long)
-    input_ids[flat] = _flat(itertools.chain.from_iterable(x for p, c in zip(prompts, completions) for x in (p, c)),
-                            int(size.sum()))
-    attention_mask = torch.zeros(rows * width, dtype=torch.long)
+    flat = np.repeat(row_of * width + at, size) + local
+    input_ids = np.full(rows * width, pad_id, dtype=np.int64)
+    input_ids[flat] = np.fromiter(itertools.chain.from_iterable(x for p, c in zip(prompts, completions)
+                                                                for x in (p, c)), dtype=np.int64, count=len(flat))
+    attention_mask = np.zeros(rows * width, dtype=np.int64)
     attention_mask[flat] = 1
     position_ids = _tail_positions(row_of, at + size, size, rows, width)
     position_ids[flat] = local
     # Completion token j of sequence i: logits at index at + len(prompt) + j - 1 predict it.
     j = _ranges(c_len)
-    grid = torch.repeat_interleave(torch.arange(n) * steps, c_len) + j  # flat index into [n, steps]
-    score_at = torch.zeros(n * steps, dtype=torch.long)
-    score_at[grid] = torch.repeat_interleave(at + p_len - 1, c_len) + j
-    targets = torch.full((n * steps,), pad_id, dtype=torch.long)
-    targets[grid] = _flat(itertools.chain.from_iterable(completions), len(j))
-    mask = torch.zeros(n * steps, dtype=torch.long)
-    mask[grid] = _mask_values(completions, loss_masks)
-    scored = mask.nonzero().squeeze(1)
-    hidden_at = (torch.repeat_interleave(row_of, steps) * width + score_at)[scored]
+    grid = np.repeat(np.arange(n) * steps, c_len) + j  # flat index into [n, steps]
+    score_at = np.zeros(n * steps, dtype=np.int64)
+    score_at[grid] = np.repeat(at + p_len - 1, c_len) + j
+    targets = np.full(n * steps, pad_id, dtype=np.int64)
+    targets[grid] = np.fromiter(itertools.chain.from_iterable(completions), dtype=np.int64, count=len(j))
+    mask = np.zeros(n * steps, dtype=np.int64)
+    mask[grid] = _mask_values(completions, loss_masks, len(j))
+    scored = np.flatnonzero(mask)
+    hidden_at = (np.repeat(row_of, steps) * width + score_at)[scored]
+    parts = [input_ids, attention_mask, position_ids, row_of, score_at, targets, mask, scored, hidden_at]
     shapes = [(rows, width)] * 3 + [(n,), (n, steps), (n, steps), (n, steps), scored.shape, scored.shape]
-    tensors = [t.view(s) for t, s in zip(_to_device([input_ids, attention_mask, position_ids, row_of, score_at,
-                                                     targets, mask, scored, hidden_at], device), shapes)]
+    on_device = to_device(np.concatenate(parts), device).split([len(p) for p in parts])
+    tensors = [t.view(s) for t, s in zip(on_device, shapes)]
     tensors[6] = tensors[6].to(torch.float32)
     if not packed:
         return Rows(*tensors)
@@ -139,46 +141,40 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
     return Rows(*tensors, segments=_segments(placement, size.tolist(), width, rows))
 
 
-def _ranges(lengths: Tensor) -> Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array as a tensor on ``device``. To a GPU it goes through pinned memory, so the copy is queued
+    without waiting: a plain copy from pageable memory waits for every kernel queued before it."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.numpy()[...] = array
+    return staged.to(device, non_blocking=True)
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
     """``0..n-1`` for each ``n`` in ``lengths``, back to back."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts, lengths)
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
-def _tail_positions(row_of: Tensor, ends: Tensor, sizes: Tensor, rows: int, width: int) -> Tensor:
+def _tail_positions(row_of: np.ndarray, ends: np.ndarray, sizes: np.ndarray, rows: int, width: int) -> np.ndarray:
     """[rows * width] positions where each row's tail padding (after every real token, so causally unseen)
     continues the positions of the row's last sequence; the real tokens' positions are written over the rest."""
-    last_end = torch.zeros(rows, dtype=torch.long).scatter_reduce(0, row_of, ends, "amax")
+    last_end = np.zeros(rows, dtype=np.int64)
+    np.maximum.at(last_end, row_of, ends)
     is_last = ends == last_end[row_of]
-    last_size = torch.zeros(rows, dtype=torch.long).index_copy(0, row_of[is_last], sizes[is_last])
-    column = torch.arange(width)
-    return (last_size[:, None] + column[None, :] - last_end[:, None]).flatten()
+    last_size = np.zeros(rows, dtype=np.int64)
+    last_size[row_of[is_last]] = sizes[is_last]
+    return (last_size[:, None] + np.arange(width)[None, :] - last_end[:, None]).reshape(-1)
 
 
-def _mask_values(completions: Sequence[Sequence[int]],
-                 loss_masks: Sequence[Sequence[int] | None] | None) -> Tensor:
-    count = sum(len(c) for c in completions)
+def _mask_values(completions: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int] | None] | None,
+                 count: int) -> np.ndarray | int:
     if loss_masks is None:
-        return torch.ones(count, dtype=torch.long)
-    return _flat(itertools.chain.from_iterable(m if m is not None else [1] * len(c)
-                                               for m, c in zip(loss_masks, completions)), count)
-
-
-def _flat(values: Iterable[int], count: int) -> Tensor:
-    """A long tensor of ``count`` ints (a few times faster than ``torch.tensor`` of a list at 10^4-10^5)."""
-    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=count))
-
-
-def _to_device(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    """Long CPU tensors onto ``device`` as flat views of one buffer. To a GPU it is one copy from pinned memory
-    that does not wait for the device, where a copy per tensor would each wait for it to drain."""
-    if device.type == "cpu":
-        return tensors
-    sizes = [t.numel() for t in tensors]
-    staged = torch.cat(tensors)
-    if device.type == "cuda":
-        staged = staged.pin_memory()
-    return list(staged.to(device, non_blocking=True).split(sizes))
+        return 1
+    return np.fromiter(itertools.chain.from_iterable(m if m is not None else [1] * len(c)
+                                                     for m, c in zip(loss_masks, completions)),
+                       dtype=np.int64, count=count)
 
 
 def _segments(placement: Sequence[tuple[int, int]], lengths: Sequence[int], width: int, rows: int) -> tuple[int, ...]:

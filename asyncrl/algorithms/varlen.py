@@ -23,10 +23,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from asyncrl.algorithms.rows import to_device
 from asyncrl.errors import ConfigError
 
 VARLEN = "asyncrl_varlen"
@@ -47,10 +49,8 @@ class Segments:
     def from_lengths(cls, lengths: Sequence[int], device: torch.device) -> Segments:
         if not lengths or min(lengths) <= 0:
             raise ValueError(f"segments need positive lengths, got {list(lengths)!r}")
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        if device.type == "cuda":  # from pinned memory the copy does not wait for the device to drain
-            cu = cu.pin_memory()
-        return cls(cu=cu.to(device, non_blocking=True), max_len=max(lengths))
+        cu = np.fromiter(itertools.accumulate(lengths, initial=0), dtype=np.int32, count=len(lengths) + 1)
+        return cls(cu=to_device(cu, device), max_len=max(lengths))
 
 
 def install(model: torch.nn.Module) -> None:
