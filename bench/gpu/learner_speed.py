@@ -9,7 +9,8 @@ without gradient checkpointing, on synthetic RL batches (completion lengths vary
     python -m bench.gpu.learner_speed --shape tiny --cpu-smoke --out /tmp/bench  # a few seconds on CPU
 
 The model is built in memory from its shape (random weights; no files, no hub). Each variant trains a fresh
-copy with the same seed through ``LocalBackend``: one warm-up step, then ``--steps`` timed ones. Reported:
+copy with the same seed through ``LocalBackend``: warm-up steps (``--warm-batches``), then ``--steps`` timed
+ones. Reported:
 ``tokens_per_s`` counts real forward tokens (prompt + completion of every rollout, padding excluded), so padded
 and packed runs are comparable; ``computed_tokens_per_step`` is what the forward actually processed (padding
 included); ``mfu = 6 * params * tokens_per_s / peak_flops`` (the usual dense estimate: attention FLOPs and
@@ -19,8 +20,9 @@ variant twice, side by side: log-probs from the last hidden states (the learner'
 full logits (the path before it). ``--ladder`` adds the learner's speed options one at a time, side by side, on
 packed token-sized micro-batches: sdpa with a block mask; variable-length attention (one row per micro-batch),
 at 1x and 2x the micro-batch tokens; plus compiled element-wise chains (MLP, RMSNorm, log-prob head) at 1x, 2x
-and 4x; compiled decoder layers instead at 2x and 4x (4x holds a whole default batch in one micro-batch). Three
-warm-up steps run before the timed ones (compiling happens there); each run records dynamo's graph breaks.
+and 4x; compiled decoder layers instead at 2x and 4x (4x holds a whole default batch in one micro-batch). Two
+compile warm-up steps (a full batch, a lone group) and ``--warm-batches`` full batches run before the timed
+ones; each run records dynamo's graph breaks.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scoring", choices=("hidden", "logits", "both"), default="hidden",
                    help="log-probs from the last hidden states, chunked (the learner's path for transformers "
                         "decoders), or from the model's full logits (the path before it); both: side by side")
-    p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
+    p.add_argument("--warm-batches", type=int, default=8,
+                   help="full batches trained before timing, after the compile warm-up: a long run's steady "
+                        "state, in which a one-row micro-batch's rounded widths have been seen before")
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -73,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cpu_smoke:
         args.micro_batch_tokens = args.micro_batch_tokens and 256
         args.steps, args.groups, args.group_size, args.prompt_len, args.completion_len = 2, 4, 4, 8, 32
+        args.warm_batches = 1
         args.micro_batch_rollouts = 8
     args.min_completion_len = args.min_completion_len or max(1, args.completion_len // 10)
     return args
@@ -98,13 +104,15 @@ def batch(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
 def computed_tokens(groups: list[Any], cfg: Any) -> int:
     """Tokens the forward passes process for ``groups``, padding included (as ``LocalBackend`` cuts them)."""
     from asyncrl.actors.training import chunks
+    from asyncrl.algorithms.logprobs import width_multiple
     from asyncrl.algorithms.rows import pack
 
     total = 0
     for part in chunks(groups, cfg.micro_batch_rollouts, cfg.micro_batch_tokens):
         lengths = [len(g.prompt.token_ids) + len(r.sample.token_ids) for g in part for r in g.rollouts]
-        if cfg.varlen_attention:  # one row holding every sequence back to back
-            total += sum(lengths)
+        if cfg.varlen_attention:  # one row holding every sequence back to back, its width rounded up
+            multiple = width_multiple(sum(lengths))
+            total += -(-sum(lengths) // multiple) * multiple
             continue
         rows = 1 + max(row for row, _ in pack(lengths, max(lengths))) if cfg.packing else len(lengths)
         total += rows * max(lengths)  # every row is as wide as the longest sequence
@@ -164,9 +172,9 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     counters.clear()
     t_warm = time.perf_counter()
-    warm = batch(args, vocab, 0)
-    warm_up(backend, warm)
-    backend.train_step(warm, 0)  # the allocator back at full size
+    warm_up(backend, batch(args, vocab, 0))
+    for i in range(args.warm_batches):  # ends at full size, so the allocator is too
+        backend.train_step(batch(args, vocab, 1000 + i), 0)
     warm_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.synchronize()

@@ -53,8 +53,9 @@ def main() -> None:
     cfg = learner_speed.learner_config(args, learner_speed.variants(args)[0])
     backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available()), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
-    for s in range(3):
-        backend.train_step(learner_speed.batch(args, vocab, s), s)
+    learner_speed.warm_up(backend, learner_speed.batch(args, vocab, 0))
+    for s in range(args.warm_batches):  # as the speed bench does: widths seen before, as in a long run
+        backend.train_step(learner_speed.batch(args, vocab, 1000 + s), s)
     torch.cuda.synchronize()
     groups = learner_speed.batch(args, vocab, 9)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
