@@ -101,8 +101,7 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
             device: torch.device, loss_masks: Sequence[Sequence[int] | None] | None,
             placement: Sequence[tuple[int, int]], *, packed: bool, width_multiple: int = 1) -> Rows:
     """Built with whole-array numpy operations on the host (not a few torch calls per sequence: milliseconds
-    per micro-batch, and on many-core hosts torch's thread pool made each call on ~10^4 elements cost
-    milliseconds more), then sent to ``device`` in one copy that does not wait for the device."""
+    per micro-batch), then sent to ``device`` in one copy that does not wait for the device."""
     n, rows = len(prompts), 1 + max(r for r, _ in placement)
     p_len, c_len = (np.fromiter(map(len, seqs), dtype=np.int64, count=n) for seqs in (prompts, completions))
     row_of = np.fromiter((r for r, _ in placement), dtype=np.int64, count=n)

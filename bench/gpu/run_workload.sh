@@ -43,8 +43,8 @@ WL=(-m bench.gpu_workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-si
 Q05=.cache/bench/gpu-workload/qwen2-0.5b-warm
 for s in $STEPS; do case $s in
   workload) run workload 300 "$PY" "${WL[@]}" --deadline-s $(( $(left) - 25 ));;
-  workload15) run workload15 240 "$PY" "${WL[@]}" --shapes qwen2-1.5b --sides async,sync,trl --tag q15 --micro-batch-tokens 32768 \
-      --deadline-s $(( $(left) - 25 ));;
+  workload15) run workload15 240 "$PY" "${WL[@]}" --shapes qwen2-1.5b --sides async,sync,trl --tag q15 \
+      --micro-batch-tokens 32768 --deadline-s $(( $(left) - 25 ));;
   workload2) run workload2 300 "$PY" "${WL[@]}" --layout 2gpu --deadline-s $(( $(left) - 25 ));;
   sleep) run sleep 90 "$PY" -m pytest -o addopts="" -q -s -m gpu -k sleep tests/test_gpu.py;;
   startup) [ -f "$Q05/config.json" ] || Q05=/tmp/q05-probe
