@@ -144,6 +144,13 @@ def learner_config(args: argparse.Namespace, variant: dict[str, Any]) -> Any:
                          **{k: v for k, v in variant.items() if k != "scoring"})
 
 
+def adamw(model: Any) -> Any:
+    """The optimiser both benches time: AdamW, fused on a GPU (as ``grpo_pipeline``'s default)."""
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available())
+
+
 def warm_up(backend: Any, groups: list[Any]) -> None:
     """Train on a full batch, then on a lone group: allocator, kernels, and compiling when asked, on both sides
     of the size thresholds inductor guards on."""
@@ -167,7 +174,7 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
 
     packing, grad_ckpt = cfg.packing, cfg.gradient_checkpointing
     model = copy.deepcopy(base)
-    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available()), GRPOLoss(LossConfig()), cfg)
+    backend = LocalBackend(model, adamw(model), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     cuda = torch.cuda.is_available()
     counters.clear()

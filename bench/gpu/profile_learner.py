@@ -51,7 +51,7 @@ def main() -> None:
     common.set_env()
     model = learner_speed.build(args)
     cfg = learner_speed.learner_config(args, learner_speed.variants(args)[0])
-    backend = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available()), GRPOLoss(LossConfig()), cfg)
+    backend = LocalBackend(model, learner_speed.adamw(model), GRPOLoss(LossConfig()), cfg)
     vocab = model.config.vocab_size
     learner_speed.warm_up(backend, learner_speed.batch(args, vocab, 0))
     for s in range(args.warm_batches):  # as the speed bench does: widths seen before, as in a long run

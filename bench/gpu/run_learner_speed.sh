@@ -11,4 +11,5 @@ for compiled in --compile --compile-layers; do
   step "learner_profile$compiled" 120 "$PY" -m bench.gpu.profile_learner --shape qwen2-0.5b --packing \
     --micro-batch-tokens 65536 --varlen "$compiled" --out "$OUT"
 done
-grep -h "cpu_ops\|by kind\|passed\|failed\|tokens/s" "$OUT"/host_probe.log "$OUT"/gpu_varlen_tests.log "$OUT"/learner_ladder.log "$OUT"/learner_profile*.log
+grep -h "cpu_ops\|by kind\|passed\|failed\|tokens/s" "$OUT"/host_probe.log "$OUT"/gpu_varlen_tests.log \
+  "$OUT"/learner_ladder.log "$OUT"/learner_profile*.log
