@@ -169,6 +169,17 @@ async def test_a_sharded_run_resumed_on_one_rank_accounts_for_every_group(server
 
 
 @pytest.mark.timeout(120)
+def test_compiled_layers_keep_a_sharded_step(tmp_path: Path) -> None:
+    done = _torchrun("fsdp_compiled_layers.py", str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["layers_compiled"] == [True, True]
+        eager, compiled = result["losses"]
+        assert eager == pytest.approx(compiled, abs=1e-6) and result["grad_norm"] > 0
+        assert result["max_grad_diff"] < 1e-5 * result["grad_norm"] + 1e-7
+
+
 def test_killing_a_rank_ends_the_run_within_seconds(tiny_model_dir: Path, tmp_path: Path) -> None:
     import psutil
 
