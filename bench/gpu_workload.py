@@ -45,21 +45,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import json
 import logging
 import os
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench import common, countdown
+from bench import common, countdown, workload_trl
+from bench.gpu_memory import MemoryWatch, free_gpu, watch
+from bench.workload_rates import describe, rates, summarise
+from bench.workload_task import prepare_model, task_prompts, task_scale
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
-WARM_STEPS = {"qwen2-0.5b": 200, "qwen2-1.5b": 150, "tiny": 200}  # at most; stops at 99.8% accuracy
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150}
 log = logging.getLogger("bench.gpu_workload")
 
@@ -103,100 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_tokens, args.kv_cache_gib, args.max_num_seqs, args.lr, args.warm_lr = 48, 1.0, 16, 1e-4, 1e-3
     args.sides = args.sides.split(",") if args.sides else list(SIDES[args.layout])
     return args
-
-
-def task_scale(args: argparse.Namespace) -> dict[str, Any]:
-    """Answer lengths and prompt lengths: the real ones, or small ones for the CPU smoke run."""
-    if args.cpu_smoke:
-        return {"max_len": 32, "prompt_range": (12, 24)}
-    return {"max_len": countdown.MAX_L, "prompt_range": (100, 300)}
-
-
-# ------------------------------------------------------------------------------------------------ the model
-
-
-def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str, Any]]:
-    """The warm-started policy both sides start from: built, then warm-started, each in its own process (a 0.5B
-    model built in the process that then starts vLLM stalled its start-up once on the H200)."""
-    import subprocess
-
-    scale = task_scale(args)
-    steps = args.warm_start_steps or WARM_STEPS[shape]
-    recipe = {"shape": shape, "seed": args.seed, "steps": steps, "batch": args.warm_batch, "lr": args.warm_lr,
-              "max_len": scale["max_len"], "version": 1}
-    base = common.CACHE / "gpu-workload" / f"{shape}-base"
-
-    def build(out: Path) -> dict[str, Any]:
-        py = [sys.executable, "-m", "bench.countdown"]
-        if not (base / "config.json").exists():
-            subprocess.run([*py, "build", str(base), "--shape", shape, "--seed", str(args.seed)], check=True)
-        done = subprocess.run([*py, "warm", str(base), str(out), "--steps", str(steps), "--batch",
-                               str(args.warm_batch), "--lr", str(args.warm_lr), "--seed", str(args.seed),
-                               "--max-len", str(scale["max_len"]), "--prompt-range",
-                               *map(str, scale["prompt_range"])], check=True, stdout=subprocess.PIPE, text=True)
-        line = next(x for x in done.stdout.splitlines() if x.startswith("WARM "))
-        return json.loads(line[5:])
-
-    t0 = time.perf_counter()
-    out, info = common.cached_build(common.CACHE / "gpu-workload" / f"{shape}-warm", recipe, build)
-    return out, {**info, "prepare_s": time.perf_counter() - t0, "params": common.param_count(out)}
-
-
-def task_prompts(args: argparse.Namespace, tok: Any, count: int) -> list[Any]:
-    from asyncrl import Prompt
-
-    scale = task_scale(args)
-    problems = countdown.problems(args.seed, count, max_len=scale["max_len"], prompt_range=scale["prompt_range"])
-    return [Prompt(f"p{i}", tuple(tok(p.prompt, add_special_tokens=False).input_ids), p.prompt, p.length)
-            for i, p in enumerate(problems)]
-
-
-# ---------------------------------------------------------------------------------------------- GPU memory
-
-
-class MemoryWatch:
-    """Peak memory in use on each device (all processes), sampled every ``period_s`` from this process."""
-
-    def __init__(self, devices: int, period_s: float = 0.2) -> None:
-        self.devices, self.period_s = devices, period_s
-        self.peak = [0.0] * devices
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import torch
-
-        while not self._stop.is_set():
-            for d in range(self.devices):
-                free, total = torch.cuda.mem_get_info(d)
-                self.peak[d] = max(self.peak[d], (total - free) / 2**30)
-            self._stop.wait(self.period_s)
-
-    @contextmanager
-    def watching(self) -> Any:
-        if not self.devices:
-            yield self
-            return
-        self._thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            self._thread.join()
-
-
-def watch(args: argparse.Namespace) -> MemoryWatch:
-    if args.cpu_smoke or not common.on_gpu():
-        return MemoryWatch(0)
-    return MemoryWatch(2 if args.layout == "2gpu" else 1)
-
-
-def free_gpu() -> None:
-    gc.collect()
-    if common.on_gpu():
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------------ ours
@@ -279,20 +184,6 @@ def engine_devices(args: argparse.Namespace) -> Any:
             os.environ.pop("CUDA_VISIBLE_DEVICES")
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-def rates(marks: list[float], per_step: int, tokens: list[float], wall: float, skip: int) -> dict[str, Any]:
-    """Whole-run and steady-state rates from step end times (seconds from the start) and completion tokens per
-    step."""
-    samples = len(marks) * per_step
-    out = {"steps": len(marks), "samples": samples, "wall_s": wall, "samples_per_s": samples / wall,
-           "completion_tokens": sum(tokens), "completion_tokens_per_s": sum(tokens) / wall,
-           "completion_len_mean": sum(tokens) / max(1, samples), "step_end_s": marks}
-    if len(marks) > skip >= 1:
-        span = marks[-1] - marks[skip - 1]
-        out["samples_per_s_steady"] = (len(marks) - skip) * per_step / span
-        out["completion_tokens_per_s_steady"] = sum(tokens[skip:]) / span
-    return out
 
 
 async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: Any, prompts: list[Any],
@@ -393,64 +284,6 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
         free_gpu()
 
 
-# ------------------------------------------------------------------------------------------------------- TRL
-
-
-def trl_paths(args: argparse.Namespace) -> list[str]:
-    """TRL's wheels first, then whatever makes vLLM importable here (the GPU host's unpacked tree)."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return [*args.trl_path, *inherited, str(common.ROOT)]
-
-
-def trl_spec(args: argparse.Namespace, model_dir: Path, name: str) -> dict[str, Any]:
-    scale = task_scale(args)
-    problems = countdown.problems(args.seed, args.steps * args.batch_groups, max_len=scale["max_len"],
-                                  prompt_range=scale["prompt_range"])
-    return {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "gpu-workload" / "runs" / name),
-            "prompts": [p.prompt for p in problems], "answers": [str(p.length) for p in problems], "n": args.n,
-            "batch_groups": args.batch_groups, "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr,
-            "seed": args.seed, "fixed_length": False, "reward": "countdown", "use_vllm": True, "threads": None,
-            "bf16": not args.cpu_smoke, "micro_batch": args.n, "save_model": False,
-            "vllm_max_model_length": common.context_len(scale["prompt_range"][1] + args.max_tokens + 1),
-            "vllm_gpu_memory_utilization": args.trl_gpu_memory_utilization, "max_staleness": args.max_staleness}
-
-
-def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
-    if "error" in res or "train_s" not in res:
-        return res
-    per_step = args.batch_groups * args.n
-    lengths = [x or 0.0 for x in res.get("completion_length", [])]
-    marks = res.get("step_end_s") or [res["train_s"]] * res.get("steps", 0)
-    tokens = [length * per_step for length in lengths[: len(marks)]]
-    tokens += [0.0] * (len(marks) - len(tokens))
-    return {**res, **rates(marks, per_step, tokens, res["train_s"], args.skip_steps)}
-
-
-async def trl(args: argparse.Namespace, model_dir: Path, side: str, memory: MemoryWatch) -> dict[str, Any]:
-    from bench import trl_async_side, trl_side
-
-    spec = trl_spec(args, model_dir, side)
-    work = common.CACHE / "gpu-workload" / "runs"
-    with memory.watching():
-        if side == "trl_async":
-            server = ["--max-model-len", str(spec["vllm_max_model_length"]), "--max-num-seqs",
-                      str(args.max_num_seqs), "--seed", str(args.seed)]
-            server += [] if args.engine_compile else ["--compilation-config",
-                                                      '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}']
-            server += (["--dtype", "float32", "--enforce-eager"] if args.cpu_smoke else
-                       ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))])
-            res = await trl_async_side.launch(args.trl_python, spec, work, side, paths=trl_paths(args),
-                                              timeout=args.trl_timeout, server_gpu="1", trainer_gpu="0",
-                                              server_args=server)
-        else:
-            spec["vllm_sleep"] = side == "trl_sleep"
-            res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
-                                          paths=trl_paths(args), timeout=args.trl_timeout)
-    res = trl_rates(args, res)
-    res["gpu_peak_used_gib"] = list(memory.peak)
-    return res
-
-
 # ------------------------------------------------------------------------------------------------------ main
 
 
@@ -478,32 +311,6 @@ class Report:
         self.result.write({"summary": summary, **self.results}, suffix=suffix, skipped=self.skipped)
 
 
-def summarise(results: dict[str, Any]) -> dict[str, Any]:
-    """Ours over TRL's, per shape: trained samples/s (whole run and steady) and completion tokens/s (``_tokens``)
-    for each pairing that ran. Both matter: a side that trains shorter completions (streaming producers hand the
-    learner the groups that finish first, and drop stale ones, which run long) gains samples/s that tokens/s
-    does not show."""
-    out: dict[str, Any] = {}
-    pairs = [("async", "trl"), ("async", "trl_sleep"), ("sync", "trl"), ("sync", "trl_sleep"),
-             ("async", "trl_async"), ("async", "sync")]
-    for shape, r in results.items():
-        if shape == "summary" or not isinstance(r, dict):  # a result file's own summary: not a shape
-            continue
-        mine = r.get("ours", {})
-        for a, b in pairs:
-            x, y = mine.get(a), mine.get(b) or r.get(b)
-            if not x or not y or "samples_per_s" not in x or "samples_per_s" not in y:
-                continue
-            key = f"{shape}/{a}_over_{b}"
-            out[key] = x["samples_per_s"] / y["samples_per_s"]
-            out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
-            if "samples_per_s_steady" in x and "samples_per_s_steady" in y:
-                out[key + "_steady"] = x["samples_per_s_steady"] / y["samples_per_s_steady"]
-        if "generation_limit_ratio" in mine:
-            out[f"{shape}/generation_limit_ratio"] = mine["generation_limit_ratio"]
-    return out
-
-
 async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> None:
     entry: dict[str, Any] = {}
     report.results[shape] = entry
@@ -526,22 +333,12 @@ async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> Non
     for side in ("trl", "trl_sleep", "trl_async"):
         if side in args.sides and report.fits(side):
             try:
-                entry[side] = await trl(args, model_dir, side, watch(args))
+                entry[side] = await workload_trl.run_side(args, model_dir, side, task_scale(args), watch(args))
             except Exception as exc:
                 log.exception("%s failed", side)
                 entry[side] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{shape}] {side}: {describe(entry[side])}", flush=True)
             report()
-
-
-def describe(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"failed: {r['error'][:300]}"
-    if "tokens_per_s" in r:
-        return f"{r['tokens_per_s']:.0f} tokens/s alone"
-    return (f"{r['samples']} samples in {r['wall_s']:.1f}s = {r['samples_per_s']:.1f}/s "
-            f"(steady {r.get('samples_per_s_steady', float('nan')):.1f}/s), "
-            f"{r['completion_tokens_per_s']:.0f} completion tokens/s, mean length {r['completion_len_mean']:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,7 +162,7 @@ REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 def _workload_ratios(r: dict[str, Any]) -> str:
-    from bench.gpu_workload import summarise
+    from bench.workload_rates import summarise
 
     summary = summarise(r)
     wanted = {"async_over_trl": "ours async over TRL, samples/s", "async_over_trl_tokens": "tokens/s"}
@@ -258,7 +258,7 @@ def headline_block(results_dir: Path) -> str:
 def gpu_headlines(results_dir: Path) -> list[str]:
     lines = []
     if (x := _load(results_dir, "gpu_workload_h200")) is not None:
-        from bench.gpu_workload import summarise
+        from bench.workload_rates import summarise
 
         r, source = x
         ratios = summarise(r)

@@ -50,7 +50,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                   f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward", "ours: learner s"], rows) + [""]
-    from bench.gpu_workload import summarise  # from the sides' figures, so files from before _tokens get it too
+    from bench.workload_rates import summarise  # from the sides' figures, so files from before _tokens get it too
 
     summary = summarise(r)
 

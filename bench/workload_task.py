@@ -1,0 +1,58 @@
+"""The task and policy of ``bench.gpu_workload``: the countdown task at full or smoke scale, its prompts, and the
+warm-started policy both sides start from (built and warm-started in their own processes, cached by recipe)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import common, countdown
+
+WARM_STEPS = {"qwen2-0.5b": 200, "qwen2-1.5b": 150, "tiny": 200}  # at most; stops at 99.8% accuracy
+
+
+def task_scale(args: argparse.Namespace) -> dict[str, Any]:
+    """Answer lengths and prompt lengths: the real ones, or small ones for the CPU smoke run."""
+    if args.cpu_smoke:
+        return {"max_len": 32, "prompt_range": (12, 24)}
+    return {"max_len": countdown.MAX_L, "prompt_range": (100, 300)}
+
+
+def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str, Any]]:
+    """The warm-started policy both sides start from: built, then warm-started, each in its own process (a 0.5B
+    model built in the process that then starts vLLM stalled its start-up once on the H200)."""
+    import subprocess
+
+    scale = task_scale(args)
+    steps = args.warm_start_steps or WARM_STEPS[shape]
+    recipe = {"shape": shape, "seed": args.seed, "steps": steps, "batch": args.warm_batch, "lr": args.warm_lr,
+              "max_len": scale["max_len"], "version": 1}
+    base = common.CACHE / "gpu-workload" / f"{shape}-base"
+
+    def build(out: Path) -> dict[str, Any]:
+        py = [sys.executable, "-m", "bench.countdown"]
+        if not (base / "config.json").exists():
+            subprocess.run([*py, "build", str(base), "--shape", shape, "--seed", str(args.seed)], check=True)
+        done = subprocess.run([*py, "warm", str(base), str(out), "--steps", str(steps), "--batch",
+                               str(args.warm_batch), "--lr", str(args.warm_lr), "--seed", str(args.seed),
+                               "--max-len", str(scale["max_len"]), "--prompt-range",
+                               *map(str, scale["prompt_range"])], check=True, stdout=subprocess.PIPE, text=True)
+        line = next(x for x in done.stdout.splitlines() if x.startswith("WARM "))
+        return json.loads(line[5:])
+
+    t0 = time.perf_counter()
+    out, info = common.cached_build(common.CACHE / "gpu-workload" / f"{shape}-warm", recipe, build)
+    return out, {**info, "prepare_s": time.perf_counter() - t0, "params": common.param_count(out)}
+
+
+def task_prompts(args: argparse.Namespace, tok: Any, count: int) -> list[Any]:
+    from asyncrl import Prompt
+
+    scale = task_scale(args)
+    problems = countdown.problems(args.seed, count, max_len=scale["max_len"], prompt_range=scale["prompt_range"])
+    return [Prompt(f"p{i}", tuple(tok(p.prompt, add_special_tokens=False).input_ids), p.prompt, p.length)
+            for i, p in enumerate(problems)]

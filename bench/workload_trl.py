@@ -1,0 +1,70 @@
+"""TRL's sides of ``bench.gpu_workload``: the spec each TRL run gets (the same prompts, answers and settings as
+ours), the launch (``bench.trl_side`` for GRPOTrainer, ``bench.trl_async_side`` for AsyncGRPOTrainer against
+``vllm serve``), and its rates in the same terms as ours."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from bench import common, countdown
+from bench.workload_rates import rates
+
+
+def trl_paths(args: argparse.Namespace) -> list[str]:
+    """TRL's wheels first, then whatever makes vLLM importable here (the GPU host's unpacked tree)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [*args.trl_path, *inherited, str(common.ROOT)]
+
+
+def trl_spec(args: argparse.Namespace, model_dir: Path, name: str, scale: dict[str, Any]) -> dict[str, Any]:
+    problems = countdown.problems(args.seed, args.steps * args.batch_groups, max_len=scale["max_len"],
+                                  prompt_range=scale["prompt_range"])
+    return {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "gpu-workload" / "runs" / name),
+            "prompts": [p.prompt for p in problems], "answers": [str(p.length) for p in problems], "n": args.n,
+            "batch_groups": args.batch_groups, "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr,
+            "seed": args.seed, "fixed_length": False, "reward": "countdown", "use_vllm": True, "threads": None,
+            "bf16": not args.cpu_smoke, "micro_batch": args.n, "save_model": False,
+            "vllm_max_model_length": common.context_len(scale["prompt_range"][1] + args.max_tokens + 1),
+            "vllm_gpu_memory_utilization": args.trl_gpu_memory_utilization, "max_staleness": args.max_staleness}
+
+
+def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    if "error" in res or "train_s" not in res:
+        return res
+    per_step = args.batch_groups * args.n
+    lengths = [x or 0.0 for x in res.get("completion_length", [])]
+    marks = res.get("step_end_s") or [res["train_s"]] * res.get("steps", 0)
+    tokens = [length * per_step for length in lengths[: len(marks)]]
+    tokens += [0.0] * (len(marks) - len(tokens))
+    return {**res, **rates(marks, per_step, tokens, res["train_s"], args.skip_steps)}
+
+
+async def run_side(args: argparse.Namespace, model_dir: Path, side: str, scale: dict[str, Any],
+                   memory: Any) -> dict[str, Any]:
+    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``), its rates added; ``memory`` watches the GPUs."""
+    from bench import trl_async_side, trl_side
+
+    spec = trl_spec(args, model_dir, side, scale)
+    work = common.CACHE / "gpu-workload" / "runs"
+    with memory.watching():
+        if side == "trl_async":
+            server = ["--max-model-len", str(spec["vllm_max_model_length"]), "--max-num-seqs",
+                      str(args.max_num_seqs), "--seed", str(args.seed)]
+            server += [] if args.engine_compile else ["--compilation-config",
+                                                      '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}']
+            server += (["--dtype", "float32", "--enforce-eager"] if args.cpu_smoke else
+                       ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))])
+            res = await trl_async_side.launch(args.trl_python, spec, work, side, paths=trl_paths(args),
+                                              timeout=args.trl_timeout, server_gpu="1", trainer_gpu="0",
+                                              server_args=server)
+        else:
+            spec["vllm_sleep"] = side == "trl_sleep"
+            res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
+                                          paths=trl_paths(args), timeout=args.trl_timeout)
+    res = trl_rates(args, res)
+    res["gpu_peak_used_gib"] = list(memory.peak)
+    return res
