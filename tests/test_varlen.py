@@ -143,10 +143,11 @@ def test_compiled_elementwise_keeps_the_step(model) -> None:
     _assert_same_step(compiled, eager, atol=1e-5)
 
 
-def test_compiled_layers_keep_the_step(model) -> None:
+@pytest.mark.parametrize("ckpt", [False, True])  # checkpointing recomputes each compiled layer in the backward
+def test_compiled_layers_keep_the_step(model, ckpt: bool) -> None:
     eager = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, varlen_attention=True))
     compiled = _step(model, LearnerConfig(micro_batch_tokens=30, packing=True, varlen_attention=True,
-                                          compile_layers=True))
+                                          compile_layers=True, gradient_checkpointing=ckpt))
     decoder = compiled[0].model
     assert all(layer._compiled_call_impl is not None for layer in decoder.layers)
     assert decoder.norm._compiled_call_impl is not None and decoder.layers[0].mlp._compiled_call_impl is None
