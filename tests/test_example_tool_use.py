@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import common
+from examples import tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_tool_use_example_runs_episodes_and_writes_metrics_plot_and_summary(tmp_
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "held-out greedy accuracy: before" in proc.stdout and "tool-call rate" in proc.stdout
-    rows = common.read_jsonl(tmp_path / "metrics.jsonl")
+    rows = tracking.read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert {"loss/policy", "episode/turns_mean", "episode/tool_call_rate", "episode/env_s_mean"} <= set(r)
