@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from bench import common
-from examples import tool_use, tracking
+from examples import calculator, tool_use, tracking
 
 log = logging.getLogger("bench.tool_use")
 
@@ -52,7 +52,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "--eval-every", "0", "--no-progress",
     ])
     out.mkdir(parents=True, exist_ok=True)
-    task = tool_use.multiplication_task(n_held_out=ex.held_out, seed=seed)
+    task = calculator.multiplication_task(n_held_out=ex.held_out, seed=seed)
     model_dir, warm = tool_use.prepare_model(ex, task)
     result = asyncrl.run(tool_use.main(ex, task, model_dir))
     rows = tracking.read_jsonl(out / "metrics.jsonl")

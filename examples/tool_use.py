@@ -14,6 +14,8 @@ rest answer directly (and mostly wrongly: the model cannot multiply). So RL star
 tool sometimes; GRPO on whole episodes (the loss masks out environment tokens) raises the tool-call rate and
 with it the held-out accuracy. Accuracy is measured greedily through the same episode runner.
 
+The task, the calculator and the call format live in ``examples/calculator.py``.
+
 Writes into ``--out``: ``metrics.jsonl`` (one row per learner step, ``episode/*`` gauges included),
 ``tool_use.png``, ``summary.json`` and ``base/`` (the warm-started model).
 """
@@ -26,7 +28,6 @@ import itertools
 import json
 import logging
 import random
-import re
 import shutil
 import sys
 import time
@@ -34,15 +35,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks import arithmetic
 from examples import common, sft, tracking
+from examples.calculator import (CALL, END_CALL, END_RES, RES, TOOL_TOKENS, CalculatorProtocol,
+                                 multiplication_task)
 
 log = logging.getLogger("examples.tool_use")
 
-CALL, END_CALL, RES, END_RES, ERR = "<calc>", "</calc>", "<res>", "</res>", "<err>"
-TOOL_TOKENS = (CALL, END_CALL, RES, END_RES, ERR)
-_CALL = re.compile(rf"{re.escape(CALL)}(.*){re.escape(END_CALL)}\s*$", re.S)
-_EXPRESSION = re.compile(r"(\d{1,6})([*+-])(\d{1,6})")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,52 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------------------- task and tool
-
-
-def multiplication_task(n_train: int = 7000, n_held_out: int = 200, seed: int = 0) -> common.Task:
-    """``a*b=`` with a, b in 10..99; held-out problems are disjoint from training ones."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
-    random.Random(seed).shuffle(pairs)
-    examples = [common.Example(f"{a}*{b}=", str(a * b)) for a, b in pairs[: n_train + n_held_out]]
-    return common.Task("multiplication", examples[n_held_out:], examples[:n_held_out], arithmetic.reward)
-
-
-async def calc(expression: str) -> int:
-    """The calculator tool: ``a*b``, ``a+b`` or ``a-b`` on non-negative integers (no eval of model text)."""
-    match = _EXPRESSION.fullmatch(expression.strip())
-    if match is None:
-        raise ValueError(f"cannot evaluate {expression!r}")
-    a, op, b = int(match[1]), match[2], int(match[3])
-    return a * b if op == "*" else a + b if op == "+" else a - b
-
-
-class CalculatorProtocol:
-    """How the model and the environment talk: the call format, and the result as environment tokens."""
-
-    def __init__(self, tok: Any) -> None:
-        self.tok = tok
-        self.end_call = tok.convert_tokens_to_ids(END_CALL)  # the stop token of a calling turn
-
-    def parse(self, turn: Any) -> Any:
-        from asyncrl import ToolCall
-
-        match = _CALL.search(turn.text) if turn.token_ids and turn.token_ids[-1] == self.end_call else None
-        return ToolCall("calc", (match[1],)) if match else None
-
-    def render(self, result: Any) -> tuple[list[int], str]:
-        text = f"{RES}{result.output}{END_RES}" if result.ok else ERR
-        return self.tok(text, add_special_tokens=False).input_ids, text
-
-    def env_factory(self, reward: Any, timeout_s: float = 5.0) -> Any:
-        """One ``ToolEnv`` per episode, rewarding an exact final answer with 1.0."""
-        from asyncrl import ToolBox, ToolEnv
-
-        tools = ToolBox([calc], timeout_s=timeout_s)
-        return lambda prompt: ToolEnv(tools, self.parse, self.render,
-                                      score=lambda turn: reward(turn.text, prompt.answer))
 
 
 # ------------------------------------------------------------------------------------------ warm start
