@@ -245,6 +245,11 @@ class LearnerConfig:
         _require(isinstance(self.stall_timeout_s, int | float) and self.stall_timeout_s > 0, self,
                  "stall_timeout_s", f"must be > 0 (math.inf: no limit), got {self.stall_timeout_s!r}")
 
+    @property
+    def compiled(self) -> bool:
+        """Whether anything is compiled: either option compiles the log-prob head's chunk maths."""
+        return self.compile_elementwise or self.compile_layers
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:

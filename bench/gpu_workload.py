@@ -133,7 +133,7 @@ def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
 def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
     """Seconds spent compiling the learner's layers and head before the timed run, on a throwaway copy
     (compiled code is shared by every instance of a module class)."""
-    if not (cfg.compile_elementwise or cfg.compile_layers):
+    if not cfg.compiled:
         return 0.0
     import copy
 

@@ -22,7 +22,8 @@ every ``--eval-every`` steps on the engine (the learner waits; the time is exclu
 times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
 ``_quick`` added with ``--quick``) with the common header (``bench/common.py``) and the same name with
 ``.png`` (accuracy vs training wall time per setting) into ``--out`` (default ``bench/results/``), and
-prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/`` (``common``, ``sft``, ``tracking``).
+prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/`` (``common``, ``sft``,
+``tracking``).
 """
 
 from __future__ import annotations

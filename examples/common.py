@@ -23,8 +23,6 @@ from typing import Any
 
 from asyncrl.tasks import arithmetic
 
-log = logging.getLogger("examples")
-
 ROOT = Path(__file__).resolve().parents[1]
 RewardFn = Callable[[str, str], float]  # (completion text, reference answer) -> reward
 

@@ -100,7 +100,7 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
             grad_sync(i == len(parts) - 1)
         with attention_kernels():  # the backward too: gradient checkpointing recomputes the forward there
             with (precision(model, config.autocast), packed_scoring(config.packing),
-                  compiled_head(config.compile_elementwise or config.compile_layers)):
+                  compiled_head(config.compiled)):
                 out = loss.compute(model, chunk.groups)
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
@@ -197,8 +197,8 @@ def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
 
 
 def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
-    """Apply the learner's model-level settings: variable-length attention for packed rows, compiled
-    element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward
+    """Apply the learner's model-level settings: variable-length attention for packed rows, compiled layers or
+    compiled element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward
     and recomputed in the backward, trading about a third more compute for memory)."""
     if config.varlen_attention:
         varlen.install(model)

@@ -107,7 +107,7 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
     row_of = np.fromiter((r for r, _ in placement), dtype=np.int64, count=n)
     at = np.fromiter((a for _, a in placement), dtype=np.int64, count=n)
     size = p_len + c_len
-    width, steps = -(-int((at + size).max()) // width_multiple) * width_multiple, int(c_len.max())
+    width, steps = round_up(int((at + size).max()), width_multiple), int(c_len.max())
     # Every token of every sequence: its flat index in [rows * width] and its position within its sequence.
     local = _ranges(size)
     flat = np.repeat(row_of * width + at, size) + local
@@ -138,6 +138,10 @@ def _layout(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
         return Rows(*tensors)
     tensors[1] = None
     return Rows(*tensors, segments=_segments(placement, size.tolist(), width, rows))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def to_device(array: np.ndarray, device: torch.device) -> Tensor:

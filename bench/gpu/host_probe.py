@@ -48,12 +48,13 @@ def matmul_launch_us(rows: list[int]) -> float:
 
 def matmuls(args: argparse.Namespace) -> dict[str, float]:
     n, base = args.calls, args.tokens
+    widths = [base + 512 * (i % 16) + 3 for i in range(n)]  # 16 widths, none of them met before
     return {
         "new_shapes_us": matmul_launch_us([base + 7 * i + 1 for i in range(n)]),
         "one_shape_us": matmul_launch_us([base] * n),
-        # the same 16 widths twice: the first pass meets each once, the second only known shapes
-        "16_widths_first_pass_us": matmul_launch_us([base + 512 * (i % 16) + 3 for i in range(n)]),
-        "16_widths_again_us": matmul_launch_us([base + 512 * (i % 16) + 3 for i in range(n)]),
+        # the same calls twice: the first pass meets each width once, the second only known shapes
+        "16_widths_first_pass_us": matmul_launch_us(widths),
+        "16_widths_again_us": matmul_launch_us(widths),
     }
 
 

@@ -105,14 +105,13 @@ def computed_tokens(groups: list[Any], cfg: Any) -> int:
     """Tokens the forward passes process for ``groups``, padding included (as ``LocalBackend`` cuts them)."""
     from asyncrl.actors.training import chunks
     from asyncrl.algorithms.logprobs import width_multiple
-    from asyncrl.algorithms.rows import pack
+    from asyncrl.algorithms.rows import pack, round_up
 
     total = 0
     for part in chunks(groups, cfg.micro_batch_rollouts, cfg.micro_batch_tokens):
         lengths = [len(g.prompt.token_ids) + len(r.sample.token_ids) for g in part for r in g.rollouts]
         if cfg.varlen_attention:  # one row holding every sequence back to back, its width rounded up
-            multiple = width_multiple(sum(lengths))
-            total += -(-sum(lengths) // multiple) * multiple
+            total += round_up(sum(lengths), width_multiple(sum(lengths)))
             continue
         rows = 1 + max(row for row, _ in pack(lengths, max(lengths))) if cfg.packing else len(lengths)
         total += rows * max(lengths)  # every row is as wide as the longest sequence
@@ -193,13 +192,12 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    compiled_graphs = {"graph_breaks": sum(counters["graph_break"].values()), **counters["stats"]}
     tokens = sum(forward_tokens(g) for groups in batches for g in groups)
     params = sum(p.numel() for p in model.parameters())
     out = {"packing": packing, "grad_ckpt": grad_ckpt, "varlen": cfg.varlen_attention,
-           "compiled": cfg.compile_elementwise or cfg.compile_layers, "compiled_layers": cfg.compile_layers,
-           "micro_batch_tokens": cfg.micro_batch_tokens, "graph_breaks": compiled_graphs.get("graph_breaks", 0),
-           "compiled_graphs": compiled_graphs.get("unique_graphs", 0),
+           "compiled": cfg.compiled, "compiled_layers": cfg.compile_layers,
+           "micro_batch_tokens": cfg.micro_batch_tokens, "graph_breaks": sum(counters["graph_break"].values()),
+           "compiled_graphs": counters["stats"]["unique_graphs"],
            "warm_up_s": warm_s, "steps": args.steps, "step_s": wall / args.steps,
            "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / wall,
            "computed_tokens_per_step": sum(computed_tokens(g, cfg) for g in batches) / args.steps,
