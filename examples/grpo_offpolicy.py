@@ -54,7 +54,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "(accuracy is always exact match)")
     data.add_argument("--reversed-answers", action=argparse.BooleanOptionalAction, default=False,
                       help="addition task: write the sum ones digit first (the order a carry flows)")
-    tiny = p.add_argument_group("tiny model and warm start (without --model)")
+    _tiny_model_args(p.add_argument_group("tiny model and warm start (without --model)"))
+    _rl_args(p.add_argument_group("GRPO"))
+    _loss_args(p.add_argument_group("loss"))
+    misc = p.add_argument_group("evaluation and output")
+    misc.add_argument("--eval-every", type=int, default=50, help="held-out eval every K steps (0 = off)")
+    misc.add_argument("--tensorboard", choices=("auto", "on", "off"), default="auto")
+    misc.add_argument("--torch-threads", type=int, default=1,
+                      help="torch threads for warm start and learner (more threads thrash on a busy 2-core machine)")
+    misc.add_argument("--kv-cache-gib", type=float, default=1.0)
+    misc.add_argument("--no-progress", action="store_true")
+    misc.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def _tiny_model_args(tiny: Any) -> None:
     tiny.add_argument("--hidden", type=int, default=128, help="hidden size (head size 32)")
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--warm-target", type=float, default=0.3, help="stop SFT at this held-out accuracy")
@@ -64,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="stop the warm start when the mean of this many evaluations reaches the target")
     tiny.add_argument("--warm-autocast", choices=("bfloat16",), default=None,
                       help="run the warm start under bf16 autocast (numerics as on another machine)")
-    rl = p.add_argument_group("GRPO")
+
+
+def _rl_args(rl: Any) -> None:
     rl.add_argument("--steps", type=int, default=1000, help="learner steps")
     rl.add_argument("--n", type=int, default=8, help="completions per prompt (group size)")
     rl.add_argument("--batch-groups", type=int, default=16, help="groups per learner step")
@@ -84,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="reset the KV/prefix cache at every weight sync")
     rl.add_argument("--sync-every", type=int, default=1, help="learner steps between weight publications")
     rl.add_argument("--synchronous", action="store_true", help="baseline: generate, then train (no overlap)")
-    loss = p.add_argument_group("loss")
+
+
+def _loss_args(loss: Any) -> None:
     loss.add_argument("--estimator", choices=("grpo", "rloo"), default="grpo")
     loss.add_argument("--length-norm", choices=("token_mean", "seq_mean", "dr_grpo"), default="token_mean")
     loss.add_argument("--clip-low", type=float, default=0.2)
@@ -93,15 +111,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     loss.add_argument("--is-cap", type=float, default=2.0)
     loss.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds a frozen reference model")
     loss.add_argument("--entropy-coef", type=float, default=0.0)
-    misc = p.add_argument_group("evaluation and output")
-    misc.add_argument("--eval-every", type=int, default=50, help="held-out eval every K steps (0 = off)")
-    misc.add_argument("--tensorboard", choices=("auto", "on", "off"), default="auto")
-    misc.add_argument("--torch-threads", type=int, default=1,
-                      help="torch threads for warm start and learner (more threads thrash on a busy 2-core machine)")
-    misc.add_argument("--kv-cache-gib", type=float, default=1.0)
-    misc.add_argument("--no-progress", action="store_true")
-    misc.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
 
 
 # ------------------------------------------------------------------------------------------ preparation

@@ -48,6 +48,14 @@ def _mean_diff(model, prompt, samples) -> float:
     return float(torch.stack(diffs).mean())
 
 
+def _perturb(learner) -> None:
+    """Move the learner's weights far enough that a stale engine is told apart from a synced one."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
 @pytest.mark.parametrize("transfer", ["cuda_ipc", "files"])
 async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
@@ -60,68 +68,74 @@ async def test_gpu_engine_pause_modes_sync_and_parity(gpu_model_dir, transfer):
         learner = _hf(gpu_model_dir)
         base = await engine.generate(prompt, params, "base")
         assert _mean_diff(learner, prompt, base) < BF16_MEAN_ATOL
-
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        _perturb(learner)
         assert _mean_diff(learner, prompt, await engine.generate(prompt, params, "stale")) > 3 * BF16_MEAN_ATOL
-
-        long = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
-        task = asyncio.create_task(engine.generate(prompt, long, "keep"))
-        await _first_token_seen(engine)
-        update = await engine.prepare(WeightUpdate(1, state_dict_for_engine(learner)))
-        assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else StagedWeights)
-        await engine.pause(PauseMode.KEEP, clear_cache=True)
-        try:
-            await engine.load(update)
-        finally:
-            await engine.resume()
-            engine.release(update)
-        kept = await task
-        assert all(s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 200 for s in kept)
-        assert all(s.newest_version == 1 for s in kept)
-
-        fresh = await engine.generate(prompt, params, "fresh")
-        assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after sync the engine matches the learner"
-        assert all(s.oldest_version == 1 for s in fresh)
-
-        cut = asyncio.create_task(engine.generate(prompt, long, "abort"))
-        await _first_token_seen(engine)
-        await engine.pause(PauseMode.ABORT, clear_cache=True)
-        await engine.resume()
-        assert all(s.finish_reason in (FinishReason.ABORT, FinishReason.LENGTH) for s in await cut)
-
-        # Bad updates are refused before the pause with the live weights and version untouched.
-        good = state_dict_for_engine(learner)
-        name = next(iter(good))
-        nan = dict(good, **{name: torch.full_like(good[name], float("nan"))})
-        with pytest.raises(WeightUpdateError, match="NaN"):
-            await engine.prepare(WeightUpdate(2, nan))
-        with pytest.raises(WeightUpdateError, match="shape"):
-            await engine.prepare(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
-        assert engine.version == 1
-        # A staged version other than the one committed is refused without touching the weights.
-        if transfer == "cuda_ipc":
-            await engine.prepare(WeightUpdate(3, good))
-            with pytest.raises(WeightUpdateError):
-                await engine.load(WeightUpdate(4, good, staged=StagedInEngine(4)))
-            assert engine.version == 1
-        after = await engine.generate(prompt, params, "after-refusals")
-        assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
-
-        # Repeated syncs leave no GPU memory behind in the learner's process (the IPC snapshot is freed).
-        nbytes = sum(t.numel() * 2 for t in good.values())  # one bfloat16 snapshot
-        base = torch.cuda.memory_allocated()
-        for version in range(5, 8):
-            await engine.pause(PauseMode.KEEP, clear_cache=True)
-            try:
-                await apply_update(engine, WeightUpdate(version, good))
-            finally:
-                await engine.resume()
-        assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes
+        await _keep_sync_then_abort(engine, learner, prompt, params, transfer)
+        await _bad_updates_refused(engine, learner, prompt, params, transfer)
+        await _syncs_leave_no_memory(engine, state_dict_for_engine(learner))
     finally:
         await engine.close()
+
+
+async def _keep_sync_then_abort(engine, learner, prompt, params, transfer) -> None:
+    """A KEEP-mode sync mid-generation finishes the request on the new version; an ABORT pause cuts one."""
+    long = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
+    task = asyncio.create_task(engine.generate(prompt, long, "keep"))
+    await _first_token_seen(engine)
+    update = await engine.prepare(WeightUpdate(1, state_dict_for_engine(learner)))
+    assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else StagedWeights)
+    await engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await engine.load(update)
+    finally:
+        await engine.resume()
+        engine.release(update)
+    kept = await task
+    assert all(s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 200 for s in kept)
+    assert all(s.newest_version == 1 for s in kept)
+
+    fresh = await engine.generate(prompt, params, "fresh")
+    assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after sync the engine matches the learner"
+    assert all(s.oldest_version == 1 for s in fresh)
+
+    cut = asyncio.create_task(engine.generate(prompt, long, "abort"))
+    await _first_token_seen(engine)
+    await engine.pause(PauseMode.ABORT, clear_cache=True)
+    await engine.resume()
+    assert all(s.finish_reason in (FinishReason.ABORT, FinishReason.LENGTH) for s in await cut)
+
+
+async def _bad_updates_refused(engine, learner, prompt, params, transfer) -> None:
+    """Bad updates are refused before the pause with the live weights and version untouched."""
+    good = state_dict_for_engine(learner)
+    name = next(iter(good))
+    nan = dict(good, **{name: torch.full_like(good[name], float("nan"))})
+    with pytest.raises(WeightUpdateError, match="NaN"):
+        await engine.prepare(WeightUpdate(2, nan))
+    with pytest.raises(WeightUpdateError, match="shape"):
+        await engine.prepare(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
+    assert engine.version == 1
+    # A staged version other than the one committed is refused without touching the weights.
+    if transfer == "cuda_ipc":
+        await engine.prepare(WeightUpdate(3, good))
+        with pytest.raises(WeightUpdateError):
+            await engine.load(WeightUpdate(4, good, staged=StagedInEngine(4)))
+        assert engine.version == 1
+    after = await engine.generate(prompt, params, "after-refusals")
+    assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
+
+
+async def _syncs_leave_no_memory(engine, good) -> None:
+    """Repeated syncs leave no GPU memory behind in the learner's process (the IPC snapshot is freed)."""
+    nbytes = sum(t.numel() * 2 for t in good.values())  # one bfloat16 snapshot
+    base = torch.cuda.memory_allocated()
+    for version in range(5, 8):
+        await engine.pause(PauseMode.KEEP, clear_cache=True)
+        try:
+            await apply_update(engine, WeightUpdate(version, good))
+        finally:
+            await engine.resume()
+    assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes
 
 
 @pytest.mark.parametrize("level,eager", [(1, True), (2, False)])
@@ -131,8 +145,6 @@ async def test_gpu_sleep_frees_memory_and_wakes_with_the_update(gpu_model_dir, l
     ``SLEEP_RESULT {...}`` (memory freed, sleep and wake times); ``ASYNCRL_GPU_RESULTS=DIR`` also keeps it as
     ``DIR/sleep_level{level}.json``."""
     import dataclasses
-    import json
-    import os
     import time
 
     from asyncrl import SyncConfig, VersionClock, WeightSync
@@ -154,11 +166,7 @@ async def test_gpu_sleep_frees_memory_and_wakes_with_the_update(gpu_model_dir, l
         sleep_s = time.perf_counter() - t0
         freed = torch.cuda.mem_get_info()[0] - free0
         assert freed > 0.9 * kv_gib * 2**30, f"sleep freed only {freed / 2**30:.2f} GiB"
-
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        _perturb(learner)
         sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP))
         t1 = time.perf_counter()
         timing = await sync.publish(state_dict_for_engine(learner))
@@ -167,24 +175,37 @@ async def test_gpu_sleep_frees_memory_and_wakes_with_the_update(gpu_model_dir, l
         fresh = await engine.generate(prompt, params, "woken")
         assert _mean_diff(learner, prompt, fresh) < BF16_MEAN_ATOL, "after wake + update the engine matches"
         assert all(s.oldest_version == timing.version for s in fresh)
-
-        await engine.sleep()
-        t2 = time.perf_counter()
-        if level == 1:  # a host copy of the weights was kept: wake without an update
-            await engine.wake()
-        else:  # nothing was kept: only an update wakes it
-            with pytest.raises(WeightUpdateError, match="level 2"):
-                await engine.wake()
-            await sync.publish(state_dict_for_engine(learner))
-        wake_s = time.perf_counter() - t2
+        wake_s = await _sleep_and_wake_again(engine, sync, learner, level)
         after = await engine.generate(prompt, params, "woken-again")
         assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
-        result = {"level": level, "enforce_eager": eager, "kv_cache_gib": kv_gib, "freed_gib": freed / 2**30,
-                  "sleep_s": sleep_s, "wake_and_update_s": wake_update_s, "update_paused_s": timing.total_s,
-                  "second_wake_s": wake_s, "counters": dataclasses.asdict(engine.sleep_counters)}
-        print("SLEEP_RESULT", json.dumps(result), flush=True)
-        if os.environ.get("ASYNCRL_GPU_RESULTS"):
-            out = Path(os.environ["ASYNCRL_GPU_RESULTS"]) / f"sleep_level{level}.json"
-            out.write_text(json.dumps(result, indent=2) + "\n")
+        _report_sleep({"level": level, "enforce_eager": eager, "kv_cache_gib": kv_gib, "freed_gib": freed / 2**30,
+                       "sleep_s": sleep_s, "wake_and_update_s": wake_update_s, "update_paused_s": timing.total_s,
+                       "second_wake_s": wake_s, "counters": dataclasses.asdict(engine.sleep_counters)})
     finally:
         await engine.close()
+
+
+async def _sleep_and_wake_again(engine, sync, learner, level: int) -> float:
+    """Level 1 kept a host copy of the weights, so it wakes without an update; level 2 kept nothing, so only an
+    update wakes it. Returns the seconds the wake took."""
+    import time
+
+    await engine.sleep()
+    t0 = time.perf_counter()
+    if level == 1:
+        await engine.wake()
+    else:
+        with pytest.raises(WeightUpdateError, match="level 2"):
+            await engine.wake()
+        await sync.publish(state_dict_for_engine(learner))
+    return time.perf_counter() - t0
+
+
+def _report_sleep(result: dict) -> None:
+    import json
+    import os
+
+    print("SLEEP_RESULT", json.dumps(result), flush=True)
+    if os.environ.get("ASYNCRL_GPU_RESULTS"):
+        out = Path(os.environ["ASYNCRL_GPU_RESULTS"]) / f"sleep_level{result['level']}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
