@@ -12,8 +12,8 @@ from asyncrl.config import (
 from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
 from asyncrl.errors import (
-    ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected, QueueClosed,
-    RolloutDropped, WeightUpdateError,
+    ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
+    QueueClosed, RolloutDropped, WeightUpdateError,
 )
 from asyncrl.episodes import Env, EnvFactory, Episode, StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.pipeline import Pipeline, RunResult
@@ -28,8 +28,8 @@ from asyncrl.versions import VersionClock
 __version__ = "0.2.0"
 
 __all__ = [
-    "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env", "EnvFactory", "Episode",
-    "EpisodeConfig", "FinishReason", "GroupCounters",
+    "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
+    "EnvFactory", "Episode", "EpisodeConfig", "FinishReason", "GroupCounters",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",
     "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "Rollout", "RolloutDropped", "RolloutGroup",

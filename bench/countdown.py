@@ -23,7 +23,6 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -17,8 +17,8 @@ Same engine, same run, identical requests. Phases alternate (raw, pipe, raw, pip
 ``ratio`` = pipeline tokens/s over raw tokens/s, summed over phases (= sum of raw times / sum of pipe times,
 since the token counts are equal). Target >= 0.97. ``main_cpu_us_per_token[_raw]``: CPU time of this process
 (event loop, vLLM's output handling, the learner and reward threads) per generated token, in each kind of phase:
-on a 2-core host every such microsecond is taken from vLLM's worker. The model (hidden 512, 4 layers by default) is big enough
-for the engine to be the bottleneck, so the ratio measures the pipeline's own overhead.
+on a 2-core host every such microsecond is taken from vLLM's worker. The model (hidden 512, 4 layers by default) is
+big enough for the engine to be the bottleneck, so the ratio measures the pipeline's own overhead.
 """
 
 from __future__ import annotations

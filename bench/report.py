@@ -54,12 +54,14 @@ def learning(r: dict[str, Any]) -> list[str]:
         if isinstance(x, dict) and "final_accuracy_mean" in x:
             v = verdict.get(name, {})
             rows.append([name, f"{pct(x['final_accuracy_mean'])} ± {pct(x['final_accuracy_std'])}",
-                         num(v.get("accuracy_vs_sync", 1.0)), f"{num(x['wall_s_mean'], 0)} ± {num(x['wall_s_std'], 0)}",
+                         num(v.get("accuracy_vs_sync", 1.0)),
+                         f"{num(x['wall_s_mean'], 0)} ± {num(x['wall_s_std'], 0)}",
                          f"{num(v.get('speedup_vs_sync', 1.0))}x", num(x["mean_staleness_mean"]),
                          ", ".join(f"{k} {v}" for k, v in sorted(x.get("dropped", {}).items())) or "0"])
     base = r["base_accuracy"]
     return table(["setting", "held-out accuracy (mean ± sd)", "vs sync", "wall s (mean ± sd)", "speed-up",
-                  "staleness", "groups dropped (all seeds)"], rows) + ["", f"Base accuracy per seed: {', '.join(pct(b) for b in base.values())}."]
+                  "staleness", "groups dropped (all seeds)"], rows) + [
+        "", f"Base accuracy per seed: {', '.join(pct(b) for b in base.values())}."]
 
 
 def engine_limit(r: dict[str, Any]) -> list[str]:
@@ -155,7 +157,8 @@ def section(path: Path) -> list[str]:
 
 # Benchmarks run more than once keep an earlier run's file under results/repeats/: its headline is shown too.
 REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "engine_limit": lambda r: f"ratio **{num(r['ratio'], 3)}** (pairs {', '.join(num(x, 3) for x in r['pair_ratios'])})",
+    "engine_limit": lambda r: (f"ratio **{num(r['ratio'], 3)}** "
+                               f"(pairs {', '.join(num(x, 3) for x in r['pair_ratios'])})"),
     "queue_micro": lambda r: f"**{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 **{num(r['p99_ms'], 3)} ms**",
     "gpu_workload": lambda r: _workload_ratios(r),
 }

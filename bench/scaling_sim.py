@@ -184,7 +184,8 @@ async def ingest(args: argparse.Namespace, engines: list[ActorEngine]) -> dict[s
         learner=LearnerConfig(batch_groups=args.batch_groups), num_producers=args.producers)
     pool = EnginePool(engines)
     backend = SimBackend(args.train_ms / 1000, args.payload_mib)
-    pipe = sharded_pipeline(pool, backend, prompts(), lambda p, s: float(len(s.token_ids) % 2), config,  # type: ignore[arg-type]
+    reward = lambda p, s: float(len(s.token_ids) % 2)  # noqa: E731
+    pipe = sharded_pipeline(pool, backend, prompts(), reward, config,  # type: ignore[arg-type]
                             close_engine=False)
     result = await pipe.run(args.steps)
     counters = pipe.receiver.counters

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny locally built model and, for tests marked ``vllm``, one real vLLM engine per
-session (an engine belongs to the event loop that created it, so those tests share the session loop)."""
+session (an engine belongs to the event loop that created it, so those tests share the session loop); a staging
+folder; and real vLLM servers, one set per module, on the module's own ``model_dir``."""
 
 from __future__ import annotations
 
@@ -58,3 +59,32 @@ async def vllm_engine(tiny_model_dir: Path):
     engine = await VLLMEngine.start(engine_config(tiny_model_dir), name="session-vllm")
     yield engine
     await engine.close()
+
+
+@pytest.fixture
+def staging(tmp_path: Path) -> Path:
+    """An empty folder to stage weight updates in."""
+    out = tmp_path / "staging"
+    out.mkdir()
+    return out
+
+
+# Real vLLM servers for tests/test_remote_engine*.py, on the requesting module's own ``model_dir`` fixture.
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path):
+    """The module's model in transformers, in eval mode: the reference for the servers' log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server_a(model_dir: Path):
+    """A vLLM server on the module's model, shared by the module's tests."""
+    from tests.remote_engine_support import served
+
+    async for server in served(model_dir):
+        yield server

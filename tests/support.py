@@ -45,6 +45,19 @@ async def apply_update(engine, update):
         engine.release(prepared)
 
 
+async def load_paused(engine, prepared) -> None:
+    """Pause (KEEP, cache cleared), load an update already prepared, then resume and release it whatever happens:
+    a publication done by hand, step by step."""
+    from asyncrl.types import PauseMode
+
+    await engine.pause(PauseMode.KEEP, clear_cache=True)
+    try:
+        await engine.load(prepared)
+    finally:
+        await engine.resume()
+        engine.release(prepared)
+
+
 TEST_WORKER_EXTENSION = "tests.vllm_worker_ext.TestWorkerExtension"
 
 # What the tests' vLLM servers run with (tiny float32 models, no CUDA-graph capture); the launcher itself

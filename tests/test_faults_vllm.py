@@ -3,7 +3,6 @@ fails part-way, and a learner that fails during a sync."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time

@@ -16,7 +16,7 @@ from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import StagedWeights, state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
-from tests.support import apply_update
+from tests.support import apply_update, load_paused
 from tests.test_vllm_engine import _first_token_seen
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -84,12 +84,7 @@ async def _keep_sync_then_abort(engine, learner, prompt, params, transfer) -> No
     await _first_token_seen(engine)
     update = await engine.prepare(WeightUpdate(1, state_dict_for_engine(learner)))
     assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else StagedWeights)
-    await engine.pause(PauseMode.KEEP, clear_cache=True)
-    try:
-        await engine.load(update)
-    finally:
-        await engine.resume()
-        engine.release(update)
+    await load_paused(engine, update)
     kept = await task
     assert all(s.finish_reason is FinishReason.LENGTH and len(s.token_ids) == 200 for s in kept)
     assert all(s.newest_version == 1 for s in kept)

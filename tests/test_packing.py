@@ -117,7 +117,8 @@ def _with_cache(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tenso
 
 def test_packed_scoring_context_switches_the_default(model: torch.nn.Module) -> None:
     seen: list[bool] = []
-    hook = model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append("attention_mask" in kw), with_kwargs=True)
+    hook = model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append("attention_mask" in kw),
+                                                         with_kwargs=True)
     try:
         with torch.no_grad():
             completion_logprobs(model, PROMPTS, COMPLETIONS)
@@ -171,8 +172,8 @@ def _assert_same_step(a: tuple, b: tuple, atol: float = 1e-6) -> None:  # type: 
 def test_packed_learner_step_equals_padded(model: torch.nn.Module) -> None:
     padded = _step(model, LearnerConfig(micro_batch_rollouts=5))
     seen: list[bool] = []
-    hook = model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw.get("attention_mask") is None),
-                                           with_kwargs=True)
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw.get("attention_mask") is None), with_kwargs=True)
     try:
         packed = _step(model, LearnerConfig(micro_batch_rollouts=5, packing=True))
     finally:

@@ -1,13 +1,13 @@
-"""RemoteVLLMEngine, EnginePool and start_vllm_server against real vLLM servers on a tiny local model.
+"""RemoteVLLMEngine and start_vllm_server against a real vLLM server on a tiny local model: generation,
+multi-turn episodes, the pause modes, cancellation, weight sync and health probes (EnginePool is in
+test_remote_engine_pool.py).
 
-At most two servers are started for the whole module (~30 s each on a 2-core machine): ``server_a`` for
-every test, ``server_b`` only for the pool tests at the end (the last test kills it).
+One server, ``server_a`` (conftest.py), is started for the whole module (~30 s on a 2-core machine).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,28 +17,22 @@ import pytest_asyncio
 import torch
 
 from asyncrl.config import ConfigError, EpisodeConfig, ProducerConfig, SamplingConfig
-from asyncrl.engines.fake import FakeEngine
-from asyncrl.engines.pool import EnginePool
-from asyncrl.engines.protocols import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import Engine, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
 from asyncrl.engines.vllm_remote.nccl import NcclTransportConfig, NcclWeightTransport
-from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, group_members, start_vllm_server
+from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, start_vllm_server
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.episodes import EpisodeRunner, StepResult, turn_slices
-from asyncrl.tasks import arithmetic
-from asyncrl.tiny import TinyModelSpec, build_tiny
 from asyncrl.types import FinishReason, PauseMode, Prompt, Sample
-from tests.support import SERVER_TEST_ARGS, CpuBurners, apply_update
+from tests.remote_engine_support import (
+    MAX_MODEL_LEN, PROMPT, SEQS, TOL, _cfg, _device_args, _hf_logprobs, _max_diff, _perturbed, remote_model,
+)
+from tests.support import CpuBurners, apply_update
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 aio = pytest.mark.asyncio(loop_scope="module")
 
-PROMPT = (1, 10, 11, 12, 13)
-MAX_MODEL_LEN = 256  # the servers' context: room for long samples, so that a pause finds them running
 LONG = SamplingConfig(n=8, max_tokens=240, temperature=1.0, seed=7)  # most samples still run at a pause
-# Server vs transformers (on CPU) log-probs, float32. On the H200 (vLLM 0.26, Triton attention) they were seen
-# up to 3.7e-3 apart on this model: GPU kernels sum in another order. Still well under the 0.05 a sync changes.
-TOL = 1e-2 if torch.cuda.is_available() else 1e-3
 # The pause tests need samples still running on the server when the pause lands. On a loaded 2-core machine
 # the client can read a stream well behind the server; a round where every sample had already finished
 # proves nothing and is run again.
@@ -50,51 +44,7 @@ ATTEMPTS = 5
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Big enough (19M parameters) that the engine, not the API server's per-token streaming, is what limits
-    # generation speed: with the 0.4M default, a loaded machine let the engine finish every sample before a
-    # pause got through. Tied embeddings (the default): the sync test checks the LM head follows them.
-    spec = TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-                         num_key_value_heads=4)
-    return build_tiny(tmp_path_factory.mktemp("remote") / "model", arithmetic.corpus(), spec)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-def _device_args() -> list[str]:
-    """The module also runs on a GPU machine (vLLM 0.26 there): float32 needs Triton attention."""
-    args = [*SERVER_TEST_ARGS, "--max-model-len", str(MAX_MODEL_LEN)]
-    if torch.cuda.is_available():
-        args += ["--gpu-memory-utilization", "0.2", "--attention-backend", "TRITON_ATTN"]
-    return args
-
-
-async def _served(model_dir: Path) -> AsyncIterator[ServerProcess]:
-    async with start_vllm_server(model_dir, free_port(), extra_args=_device_args()) as server:
-        yield server
-    assert not group_members(server.pgid), "server processes left behind"
-    assert server.rpc_dir is not None and not server.rpc_dir.exists(), "vLLM's socket files left behind"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server_a(model_dir: Path) -> AsyncIterator[ServerProcess]:
-    async for server in _served(model_dir):
-        yield server
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server_b(model_dir: Path) -> AsyncIterator[ServerProcess]:
-    async for server in _served(model_dir):
-        yield server
-
-
-def _cfg(server: ServerProcess, model_dir: Path, **kw: object) -> RemoteEngineConfig:
-    return RemoteEngineConfig(base_url=server.base_url, model=server.model_name, model_dir=str(model_dir),
-                              health_check_interval_s=1.0, **kw)  # type: ignore[arg-type]
+    return remote_model(tmp_path_factory)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -105,28 +55,6 @@ async def engine(server_a: ServerProcess, model_dir: Path) -> AsyncIterator[Remo
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
-
-
-def _hf_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t >= 1, at temperature 1."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
-    return [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
-
-
-def _max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
-def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return out
 
 
 async def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -164,15 +92,6 @@ def _check_sample(s: Sample) -> None:
         assert all(a.end == b.start for a, b in zip(s.version_spans, s.version_spans[1:]))
 
 
-def _staging_dirs() -> set[str]:
-    from asyncrl.engines.weights import STAGING_PREFIX, staging_root
-
-    return {p.name for p in staging_root().iterdir() if p.name.startswith(STAGING_PREFIX)}
-
-
-SEQS = [[1, 5, 17, 33, 9, 60, 61, 4, 21, 88, 3, 44], [1, 70, 2, 71, 15, 15, 15, 90, 6, 7, 8, 9]]
-
-
 # -- config ------------------------------------------------------------------------------------------------
 
 
@@ -188,45 +107,6 @@ def test_config_errors_name_the_field(model_dir: Path, tmp_path: Path) -> None:
     assert RemoteEngineConfig(**{**good, "base_url": "http://h:1/"}).base_url == "http://h:1"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="master_port"):
         NcclTransportConfig(master_port=0)
-
-
-# -- EnginePool logic on fakes (milliseconds) ---------------------------------------------------------------
-
-
-@aio
-async def test_pool_balances_load_round_robin() -> None:
-    engines = [FakeEngine(name=n, token_delay_s=0.001) for n in "abc"]
-    pool = EnginePool(engines)
-    params = SamplingConfig(n=2, max_tokens=5)
-    await asyncio.gather(*(pool.generate((1, 2), params, f"r{i}") for i in range(6)))
-    assert [e.requests for e in engines] == [2, 2, 2]
-    assert pool.metrics() == {"engine/alive": 3, "engine/dead": 0, "engine/inflight_samples": 0}
-
-
-@aio
-async def test_pool_reports_or_drops_a_dead_member() -> None:
-    a, b = FakeEngine(name="a"), FakeEngine(name="b")
-    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
-    b.alive = False
-    with pytest.raises(EngineError) as err:  # the first pick of a fresh pool is its second member
-        await strict.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")
-    assert err.value.engine == "b"
-    with pytest.raises(EngineError) as err:
-        await apply_update(strict, WeightUpdate(version=1, tensors={"w": torch.zeros(1)}))
-    assert err.value.engine == "b" and "update to version 1" in str(err.value)
-    assert (a.version, b.version, strict.version) == (1, 0, 0)  # a alone moved on
-
-    (s,) = await tolerant.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")  # b fails, a serves
-    assert s.finish_reason is FinishReason.LENGTH and tolerant.live == ("a",)
-    assert tolerant.metrics()["engine/dead"] == 1
-    await apply_update(tolerant, WeightUpdate(version=2, tensors={"w": torch.zeros(1)}))
-    assert tolerant.version == 2
-    with pytest.raises(WeightUpdateError, match=r"refused by \['a'\]"):
-        await apply_update(tolerant, WeightUpdate(version=3, tensors={"w": object()}))  # type: ignore[dict-item]
-    assert tolerant.version == 2
-    b.alive = a.alive = False
-    with pytest.raises(EngineError, match="every engine stopped answering"):
-        await tolerant.check_alive()
 
 
 # -- one server --------------------------------------------------------------------------------------------
@@ -432,72 +312,6 @@ async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf
         await apply_update(engine, WeightUpdate(version=3, tensors=bad))
     assert engine.version == 2
     assert await engine.prompt_logprobs(SEQS[0]) == after[0]
-
-
-# -- two servers behind a pool (server_b is killed at the end) --------------------------------------------
-
-
-@aio
-async def test_pool_spreads_requests_and_updates_every_member(
-        server_a: ServerProcess, server_b: ServerProcess, model_dir: Path, hf_model: torch.nn.Module) -> None:
-    members = [await RemoteVLLMEngine.connect(_cfg(s, model_dir), name=n) for s, n in
-               ((server_a, "a"), (server_b, "b"))]
-    pool = EnginePool(members)
-    try:
-        assert isinstance(pool, Engine)
-        params = SamplingConfig(n=2, max_tokens=8, seed=1)
-        results = await asyncio.gather(*(pool.generate(PROMPT, params, f"p{i}") for i in range(6)))
-        assert all(len(r) == 2 for r in results)
-        assert all(m.metrics()["engine/requests"] >= 4 for m in members)  # both served requests
-
-        learner = _perturbed(hf_model, seed=2)
-        before = _staging_dirs()
-        prepared = await pool.prepare(WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
-        assert len(_staging_dirs() - before) == 1, "N servers on one host share one staged copy"
-        await pool.pause(PauseMode.KEEP, clear_cache=True)
-        try:
-            await pool.load(prepared)
-        finally:
-            await pool.resume()
-            pool.release(prepared)
-        assert pool.version == 7 and all(m.version == 7 for m in members)
-        assert len(_staging_dirs() - before) == 1, "both hold the one copy as their good weights"
-        want = _hf_logprobs(learner, SEQS[1])
-        for m in members:
-            assert _max_diff(await m.prompt_logprobs(SEQS[1]), want) < TOL
-    finally:
-        await pool.close()
-
-
-@aio
-async def test_killed_server_is_detected_and_dropped(server_a: ServerProcess, server_b: ServerProcess,
-                                                     model_dir: Path) -> None:
-    # Dead = 3 failed probes in a row, 0.2 s apart here: about 0.4 s per check once the server is gone.
-    a = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir, health_retry_s=0.2), name="a")
-    b = await RemoteVLLMEngine.connect(_cfg(server_b, model_dir, health_retry_s=0.2), name="b")
-    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
-    try:
-        await strict.check_alive()
-        server_b.kill()
-        t0 = time.monotonic()
-        with pytest.raises(EngineError) as err:
-            await b.check_alive()
-        assert err.value.engine == "b" and time.monotonic() - t0 < 5.0
-        with pytest.raises(EngineError) as err:
-            await strict.check_alive()
-        assert err.value.engine == "b"
-
-        # Requests routed to the dead member fail over to the live one; the dead one leaves the rotation.
-        params = SamplingConfig(n=1, max_tokens=4, seed=1)
-        results = await asyncio.gather(*(tolerant.generate(PROMPT, params, f"d{i}") for i in range(4)))
-        assert all(len(r) == 1 for r in results)
-        await tolerant.check_alive()
-        assert tolerant.metrics()["engine/alive"] == 1 and tolerant.metrics()["engine/dead"] == 1
-        assert tolerant.live == ("a",)
-        assert time.monotonic() - t0 < 5.0
-    finally:
-        await a.close()
-        await b.close()
 
 
 # -- GPU: the NCCL weight transport (vLLM 0.26 on the lent H200s; needs two GPUs) ---------------------------

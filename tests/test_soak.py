@@ -144,7 +144,8 @@ async def soak(kind: str, pipe: Pipeline, steps: int, warmup: int, ckpt_dir: Pat
         traced_growth_outside_cache_mib=round(traced_growth_mib(a.snapshot, b.snapshot, cache=False), 3),
         cache_growth_mib=round(traced_growth_mib(a.snapshot, b.snapshot, cache=True), 3),
         cache_bound_mib=round(seen * SEEN_ID_BYTES / 2**20, 3), seen_ids_growth=seen,
-        max_depth=pipe.receiver.statistics().max_depth, capacity=pipe.receiver.config.capacity, unaccounted=stats.unaccounted,
+        max_depth=pipe.receiver.statistics().max_depth, capacity=pipe.receiver.config.capacity,
+        unaccounted=stats.unaccounted,
         leaked_tasks=leaked, checkpoints=ckpt.counters.saves, dropped=stats.dropped,
         top_growth=[str(s) for s in b.snapshot.compare_to(a.snapshot, "lineno")[:6]],
     )

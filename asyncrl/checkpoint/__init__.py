@@ -7,4 +7,4 @@ from asyncrl.checkpoint.store import (
 )
 
 __all__ = ["Checkpoint", "CheckpointConfig", "Checkpointer", "CorruptCheckpoint", "ResumeState", "TrainingState",
-           "checkpoint_hook", "latest", "restore", "resume_pipeline", "save_learner", "training_state"]
+           "checkpoint_hook", "latest", "restore", "resume_pipeline", "save_learner", "training_state", "verify"]

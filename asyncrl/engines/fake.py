@@ -1,7 +1,7 @@
 """An in-memory engine for fast unit tests and the queue micro-benchmark.
 
-It plays all three engine roles and follows their pause semantics: ``abort`` cuts in-flight samples, ``keep`` freezes them
-until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
+It plays all three engine roles and follows their pause semantics: ``abort`` cuts in-flight samples, ``keep``
+freezes them until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
 once), each with log-prob ``logprob``; token ``t`` of sample ``i`` is ``(sum(prompt) + i + t) % vocab_size``, so a
 multi-turn context changes what comes next. A token in ``stop_token_ids`` ends the sample (``stop``).
 """

@@ -3,10 +3,10 @@
 Generation goes to the least-loaded member (samples in flight), ties broken round-robin. ``prepare`` stages an
 update once, on the first member, and hands the staged copy to the others (members serving the same model on
 one host share one staging directory); ``pause``, ``load`` and ``resume`` then run on every live member
-concurrently. Each member's load is all-or-nothing on its own, and a failure names the members it happened on. A member that stops answering
-(``check_alive`` fails, or a generate fails and the member then fails ``check_alive``) is reported with an
-``EngineError`` naming it, or, with ``drop_dead=True``, taken out of rotation for good with a warning and
-counted in ``metrics()``.
+concurrently. Each member's load is all-or-nothing on its own, and a failure names the members it happened on.
+A member that stops answering (``check_alive`` fails, or a generate fails and the member then fails
+``check_alive``) is reported with an ``EngineError`` naming it, or, with ``drop_dead=True``, taken out of
+rotation for good with a warning and counted in ``metrics()``.
 """
 
 from __future__ import annotations

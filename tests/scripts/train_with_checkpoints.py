@@ -1,6 +1,6 @@
 """Train a tiny model with the real Pipeline/Learner/Checkpointer on a FakeEngine, checkpointing every step.
 
-Used by tests/test_checkpoint.py, which kills it with SIGKILL and runs it again with ``--resume``.
+Used by tests/test_checkpoint_resume.py, which kills it with SIGKILL and runs it again with ``--resume``.
 Prints one JSON object per line on stdout (flushed):
 
 * ``{"event": "handout", "index": i, "id": prompt_id}`` for every prompt the source hands out;
@@ -23,7 +23,6 @@ import os
 import random
 import sys
 import threading
-from pathlib import Path
 
 import torch
 

@@ -89,7 +89,8 @@ class AsyncRLWorkerExtension:
         self._asyncrl_aliases = tied_aliases(model)
         names = {type(model.get_submodule(mod)).__name__ for mod, _, _ in self._asyncrl_aliases}
         names |= {type(m).__name__ for m in model.modules()
-                  if next(m.parameters(recurse=False), None) is None and next(m.buffers(recurse=False), None) is not None}
+                  if next(m.parameters(recurse=False), None) is None
+                  and next(m.buffers(recurse=False), None) is not None}
         if names:
             logging.getLogger(LAYERWISE_LOGGER).addFilter(_TiedLayerNotice(names))
         return len(self._asyncrl_aliases)
