@@ -258,6 +258,32 @@ def headline_block(results_dir: Path) -> str:
     return "\n".join(lines + gpu_headlines(results_dir)) or "(no results yet)"
 
 
+TRL_MODES = {"trl": "TRL GRPOTrainer (vLLM colocate)", "trl_sleep": "TRL GRPOTrainer (vLLM colocate + sleep mode)"}
+
+
+def _fastest_trl(side: dict[str, Any]) -> str | None:
+    """The goal is set against TRL's fastest single-GPU mode in the run, whichever that was."""
+    modes = [m for m in TRL_MODES if isinstance(side.get(m), dict)]
+    return max(modes, key=lambda m: side[m]["samples_per_s"]) if modes else None
+
+
+def _earlier_workload(results_dir: Path, shape: str) -> str:
+    """The same ratios from the earlier run under results/repeats/, where there is one: TRL's rate varies from run
+    to run, so one run is not quoted alone."""
+    from bench.workload_rates import summarise
+
+    path = results_dir / "repeats" / "gpu_workload_h200.json"
+    if not path.is_file():
+        return ""
+    r = results_of(json.loads(path.read_text()))
+    ratios, trl = summarise(r), _fastest_trl(r.get(shape, {}))
+    if trl is None or f"{shape}/async_over_{trl}" not in ratios:
+        return ""
+    return (f"; an earlier run of the same command gave {num(ratios[f'{shape}/async_over_{trl}'])}x and "
+            f"{num(ratios[f'{shape}/async_over_{trl}_tokens'])}x over its fastest TRL mode "
+            f"(`{path.relative_to(common.ROOT)}`)")
+
+
 def gpu_headlines(results_dir: Path) -> list[str]:
     lines = []
     if (x := _load(results_dir, "gpu_workload_h200")) is not None:
@@ -266,13 +292,14 @@ def gpu_headlines(results_dir: Path) -> list[str]:
         r, source = x
         ratios = summarise(r)
         for shape, side in ((k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v):
-            ours, trl = side["ours"].get("async"), side.get("trl")
-            if ours and trl and f"{shape}/async_over_trl" in ratios:
+            ours, trl = side["ours"].get("async"), _fastest_trl(side)
+            if ours and trl and f"{shape}/async_over_{trl}" in ratios:
                 lines.append(f"- GPU, {shape}, long-tailed completions: ours async trains "
-                             f"{num(ours['samples_per_s'], 1)} samples/s against TRL GRPOTrainer (vLLM colocate) at "
-                             f"{num(trl['samples_per_s'], 1)}: "
-                             f"**{num(ratios[f'{shape}/async_over_trl'])}x** in samples/s, "
-                             f"**{num(ratios[f'{shape}/async_over_trl_tokens'])}x** in completion tokens/s ({source}).")
+                             f"{num(ours['samples_per_s'], 1)} samples/s against TRL's fastest single-GPU mode in "
+                             f"the run, {TRL_MODES[trl]}, at {num(side[trl]['samples_per_s'], 1)}: "
+                             f"**{num(ratios[f'{shape}/async_over_{trl}'])}x** in samples/s, "
+                             f"**{num(ratios[f'{shape}/async_over_{trl}_tokens'])}x** in completion tokens/s "
+                             f"({source}){_earlier_workload(results_dir, shape)}.")
     if (x := _load(results_dir, "learner_speed_h200_ladder")) is not None:
         r, source = x
         best = max(r["runs"], key=lambda run: run["tokens_per_s"])

@@ -12,3 +12,11 @@ def test_the_benchmarks_document_matches_the_result_files():
 def test_the_readme_figures_match_the_result_files():
     text = report.README.read_text()
     assert text == report.render_readme(text), "README.md's figures are stale: run python -m bench.report"
+
+
+def test_the_gpu_headline_compares_with_trls_fastest_mode():
+    side = {"trl": {"samples_per_s": 11.5}, "trl_sleep": {"samples_per_s": 12.7}, "ours": {}}
+    assert report._fastest_trl(side) == "trl_sleep"
+    assert report._fastest_trl({**side, "trl": {"samples_per_s": 14.6}}) == "trl"
+    assert report._fastest_trl({"trl": {"samples_per_s": 9.6}}) == "trl"
+    assert report._fastest_trl({"ours": {}}) is None
