@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -130,16 +129,9 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
 
 
 def main(spec_path: str, out_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    result: dict[str, Any] = {"trl_side": "async"}
-    t0 = time.perf_counter()
-    try:
-        train(spec, result, t0)
-    except Exception as exc:  # reported, not raised: the parent records what failed
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-4000:]
-    Path(out_path).write_text(json.dumps(result, indent=2))
-    return 0 if "error" not in result else 1
+    from bench.trl_side import run_reported
+
+    return run_reported(train, spec_path, out_path, {"trl_side": "async"})
 
 
 if __name__ == "__main__":

@@ -190,17 +190,23 @@ def step_clock(result: dict[str, Any]) -> Any:
     return StepClock()
 
 
-def main(spec_path: str, out_path: str) -> int:
+def run_reported(train_fn: Any, spec_path: str, out_path: str, result: dict[str, Any]) -> int:
+    """Run ``train_fn(spec, result, t0)`` and write ``result``. A failure is reported, not raised: the parent
+    records what failed. A long traceback keeps its first frames (what called) and its last (where it broke)."""
     spec = json.loads(Path(spec_path).read_text())
-    result: dict = {"trl_side": True}
     t0 = time.perf_counter()
     try:
-        train(spec, result, t0)
-    except Exception as exc:  # reported, not raised: the parent records what failed
+        train_fn(spec, result, t0)
+    except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-4000:]
+        text = traceback.format_exc()
+        result["traceback"] = text if len(text) <= 6000 else f"{text[:3000]}\n[...]\n{text[-3000:]}"
     Path(out_path).write_text(json.dumps(result, indent=2))
     return 0 if "error" not in result else 1
+
+
+def main(spec_path: str, out_path: str) -> int:
+    return run_reported(train, spec_path, out_path, {"trl_side": True})
 
 
 if __name__ == "__main__":
