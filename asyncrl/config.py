@@ -234,6 +234,8 @@ class LearnerConfig:
             _require(isinstance(getattr(self, name), bool), self, name, f"must be a bool, got {getattr(self, name)!r}")
         _require(self.packing or not self.varlen_attention, self, "varlen_attention",
                  "needs packing=True (it attends within packed rows)")
+        _require(not (self.compile_layers and self.compile_elementwise), self, "compile_layers",
+                 "compiles the element-wise chains inside each layer already: set it or compile_elementwise, not both")
         _require(type(self.nice) is int and 0 <= self.nice <= 19, self, "nice",
                  f"must be an integer in 0..19, got {self.nice!r}")
         _require(self.nice == 0 or sys.platform.startswith("linux"), self, "nice",

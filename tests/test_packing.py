@@ -240,6 +240,7 @@ def test_plan_with_a_token_budget_gives_every_rank_the_same_number_of_micro_batc
     ({"micro_batch_tokens": True}, "micro_batch_tokens"),
     ({"packing": "yes"}, "packing"),
     ({"gradient_checkpointing": 1}, "gradient_checkpointing"),
+    ({"compile_layers": True, "compile_elementwise": True}, "compile_layers"),
 ])
 def test_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as info:
