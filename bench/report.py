@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import common, report_scale
 from bench.report_util import ms, num, pct, table
+from bench.workload_rates import TRL_LABELS, over_fastest_trl
 
 DOC = common.ROOT / "docs" / "BENCHMARKS.md"
 README = common.ROOT / "README.md"
@@ -165,19 +166,22 @@ REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 def _workload_ratios(r: dict[str, Any]) -> str:
-    from bench.workload_rates import summarise
+    """Ours async over TRL's fastest side, per shape: the rule the README's headline quotes too."""
+    parts = [f"ours async over {TRL_LABELS[x[0]]}, samples/s **{num(x[1])}x**, tokens/s **{num(x[2])}x** ({shape})"
+             for shape in r if (x := over_fastest_trl(r, shape))]
+    return "; ".join(parts)
 
-    summary = summarise(r)
-    wanted = {"async_over_trl": "ours async over TRL, samples/s", "async_over_trl_tokens": "tokens/s"}
-    return ", ".join(f"{wanted[k.split('/')[-1]]} **{num(v)}x** ({k.split('/')[0]})" for k, v in summary.items()
-                     if k.split("/")[-1] in wanted)
+
+def repeat_of(path: Path) -> tuple[dict[str, Any], Path] | None:
+    """The earlier run of ``path``'s benchmark kept under results/repeats/ (its whole document), if any."""
+    other = path.parent / "repeats" / path.name
+    return (json.loads(other.read_text()), other) if other.is_file() else None
 
 
 def repeat_line(name: str, path: Path) -> list[str]:
-    other = path.parent / "repeats" / path.name
-    if name not in REPEATS or not other.is_file():
+    if name not in REPEATS or (earlier := repeat_of(path)) is None:
         return []
-    doc = json.loads(other.read_text())
+    doc, other = earlier
     load = doc["hardware"].get("loadavg_at_start", [None])[0], doc["hardware"].get("loadavg_at_end", [None])[0]
     return ["", f"An earlier run of the same command (`{other.relative_to(common.ROOT)}`, {str(doc['date'])[:16]}, "
                 f"load {num(load[0], 1)} -> {num(load[1], 1)}): {REPEATS[name](results_of(doc))}."]
@@ -258,48 +262,28 @@ def headline_block(results_dir: Path) -> str:
     return "\n".join(lines + gpu_headlines(results_dir)) or "(no results yet)"
 
 
-TRL_MODES = {"trl": "TRL GRPOTrainer (vLLM colocate)", "trl_sleep": "TRL GRPOTrainer (vLLM colocate + sleep mode)"}
-
-
-def _fastest_trl(side: dict[str, Any]) -> str | None:
-    """The goal is set against TRL's fastest single-GPU mode in the run, whichever that was."""
-    modes = [m for m in TRL_MODES if isinstance(side.get(m), dict)]
-    return max(modes, key=lambda m: side[m]["samples_per_s"]) if modes else None
-
-
-def _earlier_workload(results_dir: Path, shape: str) -> str:
-    """The same ratios from the earlier run under results/repeats/, where there is one: TRL's rate varies from run
-    to run, so one run is not quoted alone."""
-    from bench.workload_rates import summarise
-
-    path = results_dir / "repeats" / "gpu_workload_h200.json"
-    if not path.is_file():
+def _earlier_workload(earlier: tuple[dict[str, Any], Path] | None, shape: str) -> str:
+    """The same ratios from the earlier run, where there is one: TRL's rate varies from run to run, so one run
+    is not quoted alone."""
+    if earlier is None or (vs := over_fastest_trl(results_of(earlier[0]), shape)) is None:
         return ""
-    r = results_of(json.loads(path.read_text()))
-    ratios, trl = summarise(r), _fastest_trl(r.get(shape, {}))
-    if trl is None or f"{shape}/async_over_{trl}" not in ratios:
-        return ""
-    return (f"; an earlier run of the same command gave {num(ratios[f'{shape}/async_over_{trl}'])}x and "
-            f"{num(ratios[f'{shape}/async_over_{trl}_tokens'])}x over its fastest TRL mode "
-            f"(`{path.relative_to(common.ROOT)}`)")
+    return (f"; an earlier run of the same command gave {num(vs[1])}x and {num(vs[2])}x over its fastest TRL mode "
+            f"(`{earlier[1].relative_to(common.ROOT)}`)")
 
 
 def gpu_headlines(results_dir: Path) -> list[str]:
     lines = []
     if (x := _load(results_dir, "gpu_workload_h200")) is not None:
-        from bench.workload_rates import summarise
-
         r, source = x
-        ratios = summarise(r)
+        earlier = repeat_of(results_dir / "gpu_workload_h200.json")
         for shape, side in ((k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v):
-            ours, trl = side["ours"].get("async"), _fastest_trl(side)
-            if ours and trl and f"{shape}/async_over_{trl}" in ratios:
+            ours, vs = side["ours"].get("async"), over_fastest_trl(r, shape)
+            if ours and vs:
                 lines.append(f"- GPU, {shape}, long-tailed completions: ours async trains "
                              f"{num(ours['samples_per_s'], 1)} samples/s against TRL's fastest single-GPU mode in "
-                             f"the run, {TRL_MODES[trl]}, at {num(side[trl]['samples_per_s'], 1)}: "
-                             f"**{num(ratios[f'{shape}/async_over_{trl}'])}x** in samples/s, "
-                             f"**{num(ratios[f'{shape}/async_over_{trl}_tokens'])}x** in completion tokens/s "
-                             f"({source}){_earlier_workload(results_dir, shape)}.")
+                             f"the run ({TRL_LABELS[vs[0]]}) at {num(side[vs[0]]['samples_per_s'], 1)}: "
+                             f"**{num(vs[1])}x** in samples/s, **{num(vs[2])}x** in completion tokens/s "
+                             f"({source}){_earlier_workload(earlier, shape)}.")
     if (x := _load(results_dir, "learner_speed_h200_ladder")) is not None:
         r, source = x
         best = max(r["runs"], key=lambda run: run["tokens_per_s"])

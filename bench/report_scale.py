@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.report_util import ms, num, pct, table
+from bench.workload_rates import TRL_LABELS, summarise
 
 
 def distributed(r: dict[str, Any]) -> list[str]:
@@ -31,7 +32,7 @@ def scaling_sim(r: dict[str, Any]) -> list[str]:
 
 
 _SIDES = (("ours", "async", "ours, async (colocated)"), ("ours", "sync", "ours, sync"),
-          ("trl", None, "TRL GRPOTrainer, vLLM colocate"), ("trl_sleep", None, "TRL, vLLM colocate + sleep mode"))
+          *((mode, None, label) for mode, label in TRL_LABELS.items()))
 
 
 def gpu_workload(r: dict[str, Any]) -> list[str]:
@@ -50,9 +51,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                   f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward", "ours: learner s"], rows) + [""]
-    from bench.workload_rates import summarise  # from the sides' figures, so files from before _tokens get it too
-
-    summary = summarise(r)
+    summary = summarise(r)  # from the sides' figures, so files from before _tokens get it too
 
     def ratios(tokens: bool) -> str:
         return ", ".join(f"{k.split('/')[-1].removesuffix('_tokens')} {num(v)}x" for k, v in summary.items()

@@ -47,6 +47,24 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# TRL's single-GPU sides, as the report names them.
+TRL_LABELS = {"trl": "TRL GRPOTrainer, vLLM colocate", "trl_sleep": "TRL, vLLM colocate + sleep mode"}
+
+
+def fastest_trl(shape_results: dict[str, Any]) -> str | None:
+    """TRL's fastest single-GPU side that ran in one shape's results (the goal is set against it), or None.
+    A side that failed carries an error and no rates: it is not a candidate."""
+    ran = [m for m in TRL_LABELS if isinstance(shape_results.get(m), dict) and "samples_per_s" in shape_results[m]]
+    return max(ran, key=lambda m: shape_results[m]["samples_per_s"]) if ran else None
+
+
+def over_fastest_trl(results: dict[str, Any], shape: str) -> tuple[str, float, float] | None:
+    """(TRL side, samples/s ratio, tokens/s ratio) of ours async over TRL's fastest side in ``shape``."""
+    trl, ratios = fastest_trl(results.get(shape, {})), summarise(results)
+    key = f"{shape}/async_over_{trl}"
+    return (trl, ratios[key], ratios[key + "_tokens"]) if trl and key in ratios else None
+
+
 def describe(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"failed: {r['error'][:300]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench import report
+from bench.workload_rates import fastest_trl
 
 
 def test_the_benchmarks_document_matches_the_result_files():
@@ -16,7 +17,8 @@ def test_the_readme_figures_match_the_result_files():
 
 def test_the_gpu_headline_compares_with_trls_fastest_mode():
     side = {"trl": {"samples_per_s": 11.5}, "trl_sleep": {"samples_per_s": 12.7}, "ours": {}}
-    assert report._fastest_trl(side) == "trl_sleep"
-    assert report._fastest_trl({**side, "trl": {"samples_per_s": 14.6}}) == "trl"
-    assert report._fastest_trl({"trl": {"samples_per_s": 9.6}}) == "trl"
-    assert report._fastest_trl({"ours": {}}) is None
+    assert fastest_trl(side) == "trl_sleep"
+    assert fastest_trl({**side, "trl": {"samples_per_s": 14.6}}) == "trl"
+    assert fastest_trl({"trl": {"samples_per_s": 9.6}}) == "trl"
+    assert fastest_trl({**side, "trl_sleep": {"error": "OOM"}}) == "trl", "a side that failed is no candidate"
+    assert fastest_trl({"ours": {}}) is None
