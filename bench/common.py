@@ -329,3 +329,10 @@ def synthetic_groups(groups: int, group_size: int, prompt_len: int, lengths: tup
         prompt = Prompt(f"g{g}", tuple(rng.randrange(4, vocab) for _ in range(prompt_len)))
         out.append(RolloutGroup(f"s{seed}g{g}", prompt, tuple(rollouts)))
     return out
+
+
+def warm_up_learner(backend: Any, groups: list[Any]) -> None:
+    """Train on a full batch, then on a lone group: allocator, kernels, and compiling when asked, on both sides
+    of the size thresholds inductor guards on."""
+    for part in (groups, groups[:1]):
+        backend.train_step(part, 0)

@@ -141,13 +141,12 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
 
     from asyncrl.actors.training import LocalBackend
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
-    from bench.gpu.learner_speed import warm_up
 
     t0 = time.perf_counter()
     twin = copy.deepcopy(model)
     backend = LocalBackend(twin, torch.optim.SGD(twin.parameters(), lr=0.0), GRPOLoss(LossConfig()), cfg)
-    warm_up(backend, common.synthetic_groups(args.batch_groups, args.n, 200, (20, args.max_tokens),
-                                             model.config.vocab_size, 0))
+    groups = common.synthetic_groups(args.batch_groups, args.n, 200, (20, args.max_tokens), model.config.vocab_size, 0)
+    common.warm_up_learner(backend, groups)
     del backend, twin
     free_gpu()
     return time.perf_counter() - t0

@@ -139,22 +139,25 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 def learner_config(args: argparse.Namespace, variant: dict[str, Any]) -> Any:
     from asyncrl.config import LearnerConfig
 
-    return LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts,
+    return LearnerConfig(micro_batch_rollouts=args.micro_batch_rollouts, lr=1e-6,
                          **{k: v for k, v in variant.items() if k != "scoring"})
 
 
-def adamw(model: Any) -> Any:
-    """The optimiser both benches time: AdamW, fused on a GPU (as ``grpo_pipeline``'s default)."""
-    import torch
+def backend_for(model: Any, cfg: Any) -> Any:
+    """The learner both benches time: ``grpo_pipeline``'s default optimiser and the GRPO loss."""
+    from asyncrl.actors.training import LocalBackend
+    from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+    from asyncrl.recipes import default_optimizer
 
-    return torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available())
+    return LocalBackend(model, default_optimizer(model, cfg), GRPOLoss(LossConfig()), cfg)
 
 
-def warm_up(backend: Any, groups: list[Any]) -> None:
-    """Train on a full batch, then on a lone group: allocator, kernels, and compiling when asked, on both sides
-    of the size thresholds inductor guards on."""
-    for part in (groups, groups[:1]):
-        backend.train_step(part, 0)
+def warm(args: argparse.Namespace, backend: Any, vocab: int) -> None:
+    """Before timing: the compile warm-up, then ``--warm-batches`` full batches, ending at full size so the
+    allocator is too, with widths seen before, as in a long run's steady state."""
+    common.warm_up_learner(backend, batch(args, vocab, 0))
+    for i in range(args.warm_batches):
+        backend.train_step(batch(args, vocab, 1000 + i), 0)
 
 
 def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dict[str, Any]:
@@ -168,19 +171,16 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
     import torch
     from torch._dynamo.utils import counters
 
-    from asyncrl.actors.training import LocalBackend, forward_tokens
-    from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+    from asyncrl.actors.training import forward_tokens
 
     packing, grad_ckpt = cfg.packing, cfg.gradient_checkpointing
     model = copy.deepcopy(base)
-    backend = LocalBackend(model, adamw(model), GRPOLoss(LossConfig()), cfg)
+    backend = backend_for(model, cfg)
     vocab = model.config.vocab_size
     cuda = torch.cuda.is_available()
     counters.clear()
     t_warm = time.perf_counter()
-    warm_up(backend, batch(args, vocab, 0))
-    for i in range(args.warm_batches):  # ends at full size, so the allocator is too
-        backend.train_step(batch(args, vocab, 1000 + i), 0)
+    warm(args, backend, vocab)
     warm_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.synchronize()

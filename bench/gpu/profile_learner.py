@@ -44,18 +44,15 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from asyncrl.actors.training import LocalBackend, forward_tokens
-    from asyncrl.algorithms.losses import GRPOLoss, LossConfig
+    from asyncrl.actors.training import forward_tokens
 
     args = learner_speed.parse_args()
     common.set_env()
     model = learner_speed.build(args)
     cfg = learner_speed.learner_config(args, learner_speed.variants(args)[0])
-    backend = LocalBackend(model, learner_speed.adamw(model), GRPOLoss(LossConfig()), cfg)
+    backend = learner_speed.backend_for(model, cfg)
     vocab = model.config.vocab_size
-    learner_speed.warm_up(backend, learner_speed.batch(args, vocab, 0))
-    for s in range(args.warm_batches):  # as the speed bench does: widths seen before, as in a long run
-        backend.train_step(learner_speed.batch(args, vocab, 1000 + s), s)
+    learner_speed.warm(args, backend, vocab)  # as the speed bench does
     torch.cuda.synchronize()
     groups = learner_speed.batch(args, vocab, 9)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
