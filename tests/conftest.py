@@ -69,22 +69,30 @@ def staging(tmp_path: Path) -> Path:
     return out
 
 
-# Real vLLM servers for tests/test_remote_engine*.py, on the requesting module's own ``model_dir`` fixture.
+# The real vLLM server of tests/test_remote_engine*.py: one for the session (a start costs ~30 s on a 2-core
+# machine), as when those tests were one module; it idles, and stops at the session's end.
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir: Path):
-    """The module's model in transformers, in eval mode: the reference for the servers' log-probs."""
+@pytest.fixture(scope="session")
+def remote_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.remote_engine_support import remote_model
+
+    return remote_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def hf_model(remote_model_dir: Path):
+    """The servers' model in transformers, in eval mode: the reference for their log-probs."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(remote_model_dir), dtype=torch.float32).eval()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server_a(model_dir: Path):
-    """A vLLM server on the module's model, shared by the module's tests."""
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def server_a(remote_model_dir: Path):
+    """A vLLM server on ``remote_model_dir``. Tests may publish weights to it; none may stop it."""
     from tests.remote_engine_support import served
 
-    async for server in served(model_dir):
+    async for server in served(remote_model_dir):
         yield server

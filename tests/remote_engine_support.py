@@ -24,7 +24,7 @@ TOL = 1e-2 if torch.cuda.is_available() else 1e-3
 
 
 def remote_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The servers' model, built afresh for each module that serves it."""
+    """The servers' model (built once per session: conftest.py's ``remote_model_dir``)."""
     # Big enough (19M parameters) that the engine, not the API server's per-token streaming, is what limits
     # generation speed: with the 0.4M default, a loaded machine let the engine finish every sample before a
     # pause got through. Tied embeddings (the default): the sync test checks the LM head follows them.

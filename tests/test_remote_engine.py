@@ -2,7 +2,7 @@
 multi-turn episodes, the pause modes, cancellation, weight sync and health probes (EnginePool is in
 test_remote_engine_pool.py).
 
-One server, ``server_a`` (conftest.py), is started for the whole module (~30 s on a 2-core machine).
+One server, ``server_a`` (conftest.py), serves the whole module, and test_remote_engine_pool.py after it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.episodes import EpisodeRunner, StepResult, turn_slices
 from asyncrl.types import FinishReason, PauseMode, Prompt, Sample
 from tests.remote_engine_support import (
-    MAX_MODEL_LEN, PROMPT, SEQS, TOL, _cfg, _device_args, _hf_logprobs, _max_diff, _perturbed, remote_model,
+    MAX_MODEL_LEN, PROMPT, SEQS, TOL, _cfg, _device_args, _hf_logprobs, _max_diff, _perturbed,
 )
 from tests.support import CpuBurners, apply_update
 
@@ -43,8 +43,8 @@ ATTEMPTS = 5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return remote_model(tmp_path_factory)
+def model_dir(remote_model_dir: Path) -> Path:
+    return remote_model_dir
 
 
 @pytest_asyncio.fixture(loop_scope="module")

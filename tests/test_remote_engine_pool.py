@@ -1,7 +1,7 @@
 """EnginePool: its logic on in-memory fakes, then two real vLLM servers behind a pool (the last test kills one).
 
-Two servers are started for the module (~30 s each on a 2-core machine): ``server_a`` (conftest.py) and
-``server_b``.
+Two servers: ``server_a`` (conftest.py, the session's, already up for test_remote_engine.py) and ``server_b``,
+started for this module (~30 s on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from asyncrl.engines.vllm_remote.process import ServerProcess
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import FinishReason
 from tests.remote_engine_support import (
-    PROMPT, SEQS, TOL, _cfg, _hf_logprobs, _max_diff, _perturbed, remote_model, served,
+    PROMPT, SEQS, TOL, _cfg, _hf_logprobs, _max_diff, _perturbed, served,
 )
 from tests.support import apply_update, load_paused
 
@@ -36,8 +36,8 @@ aio = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return remote_model(tmp_path_factory)
+def model_dir(remote_model_dir: Path) -> Path:
+    return remote_model_dir
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
