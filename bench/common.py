@@ -119,7 +119,9 @@ class Result:
     """Collects a benchmark's header at start and writes ``<name>_<device><suffix>.json`` into ``args.out``
     (``bench/results`` by default) at the end."""
 
-    def __init__(self, name: str, args: argparse.Namespace | None = None, argv: Sequence[str] | None = None):
+    def __init__(self, name: str, args: argparse.Namespace | None = None, argv: Sequence[str] | None = None, *,
+                 module: str | None = None):
+        """``module``: what ``python -m`` ran, for the recorded command (default ``bench.<name>``)."""
         self.name = name
         self.t0 = time.perf_counter()
         self.out_dir = Path(getattr(args, "out", None) or RESULTS)
@@ -127,7 +129,7 @@ class Result:
         self.doc: dict[str, Any] = {
             "benchmark": name,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", "-m", f"bench.{name}", *argv]),
+            "command": " ".join(["python", "-m", module or f"bench.{name}", *argv]),
             "hardware": hardware(),
             "versions": versions(),
             "parameters": _jsonable(vars(args)) if args is not None else {},

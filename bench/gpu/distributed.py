@@ -99,8 +99,7 @@ def torchrun(args: argparse.Namespace, ranks: int, worker: str, model_dir: Path,
 
 
 def drive(args: argparse.Namespace) -> None:
-    result = common.Result("distributed", args)
-    result.doc["command"] = " ".join(["python", "-m", "bench.gpu.distributed", *sys.argv[1:]])  # not bench.NAME
+    result = common.Result("distributed", args, module="bench.gpu.distributed")
     first, second = ("tiny", "tiny") if args.cpu_smoke else ("qwen2-0.5b", "qwen2-1.5b")
     small, large = build(first, args.models), build(second, args.models)
     out: dict[str, Any] = {"shapes": {first: common.param_count(small), second: common.param_count(large)}}

@@ -89,8 +89,7 @@ def cpu_ops(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = common.Result("host_probe", args, argv)
-    result.doc["command"] = result.doc["command"].replace("bench.host_probe", "bench.gpu.host_probe")
+    result = common.Result("host_probe", args, argv, module="bench.gpu.host_probe")
     results: dict[str, Any] = {"cpu_ops": cpu_ops(args)}
     if not args.cpu_only:
         results["matmul_launch"] = matmuls(args)

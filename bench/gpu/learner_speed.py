@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import copy
 import itertools
-import sys
 import time
 from typing import Any
 
@@ -211,8 +210,7 @@ def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     common.set_env()
-    result = common.Result("learner_speed", args)
-    result.doc["command"] = " ".join(["python", "-m", "bench.gpu.learner_speed", *sys.argv[1:]])
+    result = common.Result("learner_speed", args, module="bench.gpu.learner_speed")
     base = build(args)
     runs = []
     for variant in variants(args):

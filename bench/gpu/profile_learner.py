@@ -11,7 +11,6 @@ matrix multiplies took time (``mfu_matmul_bound``).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -68,8 +67,7 @@ def main() -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     flops = 6 * sum(p.numel() for p in model.parameters()) * sum(forward_tokens(g) for g in groups)
-    result = common.Result("learner_profile", args)
-    result.doc["command"] = " ".join(["python", "-m", "bench.gpu.profile_learner", *sys.argv[1:]])
+    result = common.Result("learner_profile", args, module="bench.gpu.profile_learner")
     result.write(
         {"shape": args.shape, "step_wall_s": wall, "kernel_s": kinds, "kernel_total_s": device,
          "mfu": flops / wall / args.peak_flops, "mfu_matmul_bound": flops / kinds["matmul"] / args.peak_flops},

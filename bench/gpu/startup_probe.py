@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import common
 
     common.set_env()
-    result = common.Result("startup_probe", args, argv)
-    result.doc["command"] = " ".join(["python", "-m", "bench.gpu.startup_probe", *(argv or sys.argv[1:])])
+    result = common.Result("startup_probe", args, argv, module="bench.gpu.startup_probe")
     runs = []
     warm = set(args.warm.split(","))
     for variant in args.variants.split(","):
