@@ -14,6 +14,18 @@ def engine_config(model_dir: Path, **overrides):
     return VLLMEngineConfig(**args)
 
 
+def perturb(model, seed: int):
+    """Move ``model``'s weights, in place, by Gaussian noise (sd 0.05, from ``seed``): far enough that an engine
+    still on the old weights is told apart from one synced to these. Returns ``model``."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
 def load_hf_model(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -4,7 +4,7 @@ checkpoint saved at 2 ranks resumes at 1 and exports to Hugging Face format."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import pickle
@@ -30,10 +30,8 @@ TOL = 1e-3  # server vs transformers log-probs, float32 on CPU (as in test_remot
 
 
 def _script(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A rank script (run under torchrun) read as a module, for the constants it shares with its test."""
+    return importlib.import_module(f"tests.scripts.{name}")
 
 
 def _torchrun(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

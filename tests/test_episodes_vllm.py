@@ -21,7 +21,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.episodes import EpisodeRunner, model_token_ids, turn_slices
 from asyncrl.queues.wire import group_from_json, group_to_json
 from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, Sample
-from tests.support import load_hf_model
+from tests.support import load_hf_model, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -135,11 +135,7 @@ async def test_sampled_ids_are_the_trained_ids_across_four_turns(vllm_engine, to
 
 
 async def test_logprob_parity_on_a_multi_turn_trajectory_after_sync(vllm_engine, tokenizer, tiny_model_dir):
-    learner = load_hf_model(tiny_model_dir)
-    torch.manual_seed(5)
-    with torch.no_grad():  # the learner has trained: its weights are not the engine's
-        for p in learner.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    learner = perturb(load_hf_model(tiny_model_dir), seed=5)  # the learner has trained: not the engine's weights
     timing = await WeightSync(vllm_engine, VersionClock(vllm_engine.version), SyncConfig()).publish(
         state_dict_for_engine(learner))
     prompt = _prompt(tokenizer, "7+8=")

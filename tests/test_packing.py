@@ -285,13 +285,13 @@ def test_rows_match_a_sequence_at_a_time_layout(seed: int) -> None:
     masks = [None if rng.random() < 0.5 else [rng.randint(0, 1) for _ in c] for c in completions] \
         if seed % 2 else None
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    for layout, placement in ((padded_rows(prompts, completions, 0, torch.device("cpu"), masks),
-                               [(i, 0) for i in range(n)]),
-                              (packed_rows(prompts, completions, 0, torch.device("cpu"), masks, row_tokens=12),
-                               pack(lengths, min(12, sum(lengths))))):
+    for layout, placement, packed in ((padded_rows(prompts, completions, 0, torch.device("cpu"), masks),
+                                       [(i, 0) for i in range(n)], False),
+                                      (packed_rows(prompts, completions, 0, torch.device("cpu"), masks, row_tokens=12),
+                                       pack(lengths, min(12, sum(lengths))), True)):
         ids, attn, pos, score_at, targets, mask = _reference_layout(prompts, completions, 0, placement, masks)
         assert torch.equal(layout.input_ids, ids) and torch.equal(layout.position_ids, pos)
-        assert layout.attention_mask is None if layout.packed else torch.equal(layout.attention_mask, attn)
+        assert layout.attention_mask is None if packed else torch.equal(layout.attention_mask, attn)
         assert torch.equal(layout.row_of, torch.tensor([r for r, _ in placement]))
         assert torch.equal(layout.score_at, score_at) and torch.equal(layout.targets, targets)
         assert layout.mask.dtype == torch.float32 and torch.equal(layout.mask, mask)

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-import torch
 
 from asyncrl import PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig, LearnerConfig
 from asyncrl import VersionClock, WeightSync
@@ -19,7 +18,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.errors import ConfigError
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.types import PauseMode
-from tests.support import engine_config, load_hf_model
+from tests.support import engine_config, load_hf_model, perturb
 from tests.test_pipeline_vllm import reward, task_prompts
 from tests.test_vllm_engine import PARITY_ATOL, _max_diff, _prompt
 
@@ -60,12 +59,7 @@ async def sleepy(tiny_model_dir):
 
 
 def _perturbed(model_dir, seed: int):
-    learner = load_hf_model(model_dir)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in learner.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return learner
+    return perturb(load_hf_model(model_dir), seed)
 
 
 @MODULE_LOOP

@@ -13,7 +13,7 @@ from asyncrl.config import SamplingConfig, SyncConfig
 from asyncrl.engines.protocols import WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import FinishReason, PauseMode
-from tests.support import apply_update, load_hf_model
+from tests.support import apply_update, load_hf_model, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -75,10 +75,7 @@ async def test_logprob_parity_after_sync(vllm_engine, tiny_model_dir, tokenizer)
     base = await vllm_engine.generate(prompt, params, request_id="parity-base")
     assert _max_diff(learner, prompt, base) < PARITY_ATOL
 
-    torch.manual_seed(1)
-    with torch.no_grad():  # the learner "trains": its weights move away from the engine's
-        for p in learner.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb(learner, seed=1)  # the learner "trains": its weights move away from the engine's
     stale = await vllm_engine.generate(prompt, params, request_id="parity-stale")
     before = _max_diff(learner, prompt, stale)
     assert before > 0.05, f"perturbed learner should disagree with the engine, max diff {before}"

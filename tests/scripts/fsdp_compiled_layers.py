@@ -44,8 +44,9 @@ def step(model: torch.nn.Module, config: LearnerConfig, batch: list[RolloutGroup
     prepare_model(model, config)
     parts = [Chunk(batch[:2]), Chunk(batch[2:])]
     total = sum(g.num_tokens for g in batch)
+    # reduce-scatter after the last micro-batch only, as FSDPBackend has it
     loss, _ = accumulate(model, GRPOLoss(LossConfig()), parts, total_tokens=total, active_groups=len(batch),
-                         config=config)
+                         config=config, grad_sync=model.set_requires_gradient_sync)
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
     return loss, torch.cat([g.flatten() for g in grads])
 
