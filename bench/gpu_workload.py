@@ -56,7 +56,7 @@ from typing import Any
 from bench import common, countdown, workload_trl
 from bench.gpu_memory import MemoryWatch, free_gpu, watch
 from bench.workload_rates import describe, rates, summarise
-from bench.workload_task import prepare_model, task_prompts, task_scale
+from bench.workload_task import max_model_len, prepare_model, task_prompts
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150}
@@ -156,10 +156,9 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> Any:
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     gpu = common.on_gpu() and not args.cpu_smoke
-    longest = task_scale(args)["prompt_range"][1] + args.max_tokens + 1
     sleeps = args.layout == "1gpu" and "sync" in args.sides
     return VLLMEngineConfig(model=str(model_dir), dtype="bfloat16" if gpu else "float32",
-                            max_model_len=common.context_len(longest), max_num_seqs=args.max_num_seqs,
+                            max_model_len=max_model_len(args), max_num_seqs=args.max_num_seqs,
                             kv_cache_gib=args.kv_cache_gib, enforce_eager=not gpu, torch_compile=args.engine_compile,
                             seed=args.seed, sleep=args.sleep_level if sleeps else 0)
 
@@ -332,7 +331,7 @@ async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> Non
     for side in ("trl", "trl_sleep", "trl_async"):
         if side in args.sides and report.fits(side):
             try:
-                entry[side] = await workload_trl.run_side(args, model_dir, side, task_scale(args), watch(args))
+                entry[side] = await workload_trl.run_side(args, model_dir, side)
             except Exception as exc:
                 log.exception("%s failed", side)
                 entry[side] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -49,10 +49,19 @@ def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str,
     return out, {**info, "prepare_s": time.perf_counter() - t0, "params": common.param_count(out)}
 
 
+def problems(args: argparse.Namespace, count: int) -> list[Any]:
+    """The run's first ``count`` problems: the same list for every side."""
+    scale = task_scale(args)
+    return countdown.problems(args.seed, count, max_len=scale["max_len"], prompt_range=scale["prompt_range"])
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """Every side's engine context: the longest prompt, the longest completion and one token more."""
+    return common.context_len(task_scale(args)["prompt_range"][1] + args.max_tokens + 1)
+
+
 def task_prompts(args: argparse.Namespace, tok: Any, count: int) -> list[Any]:
     from asyncrl import Prompt
 
-    scale = task_scale(args)
-    problems = countdown.problems(args.seed, count, max_len=scale["max_len"], prompt_range=scale["prompt_range"])
     return [Prompt(f"p{i}", tuple(tok(p.prompt, add_special_tokens=False).input_ids), p.prompt, p.length)
-            for i, p in enumerate(problems)]
+            for i, p in enumerate(problems(args, count))]

@@ -10,8 +10,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench import common, countdown
+from bench import common
+from bench.gpu_memory import watch
 from bench.workload_rates import rates
+from bench.workload_task import max_model_len, problems
 
 
 def trl_paths(args: argparse.Namespace) -> list[str]:
@@ -20,15 +22,14 @@ def trl_paths(args: argparse.Namespace) -> list[str]:
     return [*args.trl_path, *inherited, str(common.ROOT)]
 
 
-def trl_spec(args: argparse.Namespace, model_dir: Path, name: str, scale: dict[str, Any]) -> dict[str, Any]:
-    problems = countdown.problems(args.seed, args.steps * args.batch_groups, max_len=scale["max_len"],
-                                  prompt_range=scale["prompt_range"])
+def trl_spec(args: argparse.Namespace, model_dir: Path, name: str) -> dict[str, Any]:
+    todo = problems(args, args.steps * args.batch_groups)
     return {"model_dir": str(model_dir), "out_dir": str(common.CACHE / "gpu-workload" / "runs" / name),
-            "prompts": [p.prompt for p in problems], "answers": [str(p.length) for p in problems], "n": args.n,
+            "prompts": [p.prompt for p in todo], "answers": [str(p.length) for p in todo], "n": args.n,
             "batch_groups": args.batch_groups, "max_tokens": args.max_tokens, "steps": args.steps, "lr": args.lr,
             "seed": args.seed, "fixed_length": False, "reward": "countdown", "use_vllm": True, "threads": None,
             "bf16": not args.cpu_smoke, "micro_batch": args.n, "save_model": False,
-            "vllm_max_model_length": common.context_len(scale["prompt_range"][1] + args.max_tokens + 1),
+            "vllm_max_model_length": max_model_len(args),
             "vllm_gpu_memory_utilization": args.trl_gpu_memory_utilization, "max_staleness": args.max_staleness}
 
 
@@ -43,12 +44,12 @@ def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     return {**res, **rates(marks, per_step, tokens, res["train_s"], args.skip_steps)}
 
 
-async def run_side(args: argparse.Namespace, model_dir: Path, side: str, scale: dict[str, Any],
-                   memory: Any) -> dict[str, Any]:
-    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``), its rates added; ``memory`` watches the GPUs."""
+async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict[str, Any]:
+    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``), its rates and peak GPU memory added."""
     from bench import trl_async_side, trl_side
 
-    spec = trl_spec(args, model_dir, side, scale)
+    memory = watch(args)
+    spec = trl_spec(args, model_dir, side)
     work = common.CACHE / "gpu-workload" / "runs"
     with memory.watching():
         if side == "trl_async":
