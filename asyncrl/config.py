@@ -261,7 +261,7 @@ class PipelineConfig:
     queue: QueueConfig = field(default_factory=QueueConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     num_producers: int = 1  # producer actors sharing the engine(s)
-    shutdown_timeout_s: float = 30.0  # bound on engine shutdown after the run ends or fails
+    shutdown_timeout_s: float = 30.0  # bound on each shutdown step (learner thread, engine) after the run ends
 
     def __post_init__(self) -> None:
         _positive_ints(self, "num_producers")

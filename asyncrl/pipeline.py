@@ -175,6 +175,7 @@ class Pipeline:
     async def _shutdown(self, wall_s: float) -> None:
         self.receiver.close()
         self._collect(wall_s)
+        await bounded(self.learner.close(), self.config.shutdown_timeout_s, "the learner's thread")
         if self.close_engine:
             await bounded(self.engine.close(), self.config.shutdown_timeout_s, f"closing engine {self.engine.name}")
 

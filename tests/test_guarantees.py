@@ -354,3 +354,34 @@ async def test_a_non_finite_gradient_refuses_the_step_before_the_weights_change(
     after = pipe.learner.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "no half-applied step"
     assert pipe.result.unaccounted == 0
+
+
+# -- 8. a pipeline that ends, or is cancelled, leaves no learner thread behind -------------------------------
+
+
+def _learner_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("asyncrl-learner")}
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_a_pipeline_lets_its_learner_thread_go(cancelled: bool):
+    before, during = _learner_threads(), set()
+    stepped = asyncio.Event()
+
+    def seen(step: int, metrics: dict[str, float]) -> None:
+        during.update(_learner_threads() - before)
+        stepped.set()
+
+    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), prompts(1000), lambda p, s: 1.0,
+                         config(), loss=RecordingLoss())
+    pipe.learner.hooks.append(seen)
+    run = asyncio.create_task(pipe.run(steps=None if cancelled else 2))
+    if cancelled:
+        await stepped.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    else:
+        await run
+    assert during, "the steps ran in a learner thread"
+    assert not during & _learner_threads(), "the learner's thread outlived its pipeline"

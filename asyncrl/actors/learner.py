@@ -72,7 +72,7 @@ class Learner:
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
-        # The training thread, made on first use. Dropping the learner lets its idle thread exit.
+        # The training thread, made on first use; ``close`` lets it go (the pipeline does, as it shuts down).
         self._thread: ThreadPoolExecutor | None = None
 
     # The backend's parts, read and replaced through the learner (checkpoints and tests use them).
@@ -178,6 +178,13 @@ class Learner:
             raise
         self._publishing.add_done_callback(lambda _: self.backend.release(snapshot))
         return previous
+
+    async def close(self) -> None:
+        """End the training thread once its work is over: waited for off the event loop, since a step that a
+        cancellation cut short still runs to its end there. Training again makes a new thread."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.shutdown)
 
     async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
         if self._thread is None:
