@@ -72,8 +72,8 @@ def staging(tmp_path: Path) -> Path:
     return out
 
 
-# The real vLLM server of tests/test_remote_engine*.py: one for the session (a start costs ~30 s on a 2-core
-# machine), as when those tests were one module; it idles, and stops at the session's end.
+# The real vLLM server of tests/test_remote_engine*.py, one per module: kept for the session, an idle server
+# would sit beside every later module (its processes among theirs). The model is built once.
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +83,7 @@ def remote_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return remote_model(tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_model(remote_model_dir: Path):
     """The servers' model in transformers, in eval mode: the reference for their log-probs."""
     import torch
@@ -92,7 +92,7 @@ def hf_model(remote_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(str(remote_model_dir), dtype=torch.float32).eval()
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server_a(remote_model_dir: Path):
     """A vLLM server on ``remote_model_dir``. Tests may publish weights to it; none may stop it."""
     from tests.remote_engine_support import served

@@ -2,7 +2,7 @@
 multi-turn episodes, the pause modes, cancellation, weight sync and health probes (EnginePool is in
 test_remote_engine_pool.py).
 
-One server, ``server_a`` (conftest.py), serves the whole module, and test_remote_engine_pool.py after it.
+One server, ``server_a`` (conftest.py), is started for the whole module (~30 s on a 2-core machine).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """EnginePool: its logic on in-memory fakes, then two real vLLM servers behind a pool (the last test kills one).
 
-Two servers: ``server_a`` (conftest.py, the session's, already up for test_remote_engine.py) and ``server_b``,
-started for this module (~30 s on a 2-core machine).
+Two servers are started for the module (~30 s each on a 2-core machine): ``server_a`` (conftest.py) and
+``server_b``.
 """
 
 from __future__ import annotations
