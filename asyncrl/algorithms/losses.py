@@ -6,7 +6,8 @@ anchor of the trust region: the learner's weights at the start of the optimiser 
 *current* policy is the one being differentiated. Following AReaL's decoupled objective, the ratio that is
 clipped compares current with proximal, so the trust region is measured from weights the learner actually
 had, however stale the samples; the gap between proximal and behaviour is corrected separately by a
-truncated importance weight that carries no gradient.
+truncated importance weight that carries no gradient. ``LossConfig.correction`` can mask such terms instead
+(per token or per sequence), or bound their second moment (M2PO): ``asyncrl.algorithms.corrections``.
 
 Per token, with ``r = exp(logp - old_logp)`` and ``w`` the truncated weight::
 
@@ -29,6 +30,14 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms.advantages import ESTIMATORS, Estimator, group_advantages
+from asyncrl.algorithms.corrections import (
+    CORRECTIONS,
+    Correction,
+    m2po_mask,
+    masked_weights,
+    staleness_metrics,
+    token_staleness,
+)
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.algorithms.rows import to_device
 from asyncrl.config import ConfigError
@@ -52,6 +61,12 @@ class LossConfig:
     clip_high: float = 0.28  # ... and above at 1 + clip_high (a higher top keeps rare tokens learnable)
     is_level: IsLevel = "token"  # proximal/behaviour importance weight per token, per sequence, or none
     is_cap: float = 2.0  # importance weights are truncated at this value (math.inf = no truncation)
+    # What happens to a token whose behaviour ratio is far from 1 (``corrections``): "truncate" (cap at is_cap),
+    # "mask" (drop terms whose ratio, per is_level, leaves [1/is_cap, is_cap]) or "m2po" (drop the largest
+    # squared log-ratios until their mean is <= m2_threshold; is_level, is_cap and the clip are then unused)
+    correction: Correction = Correction.TRUNCATE
+    m2_threshold: float = 0.04  # M2PO's bound on the mean squared log-ratio of the tokens kept (paper's default)
+    m2_trust_region: bool = True  # M2PO: only tokens the update pushes further from ratio 1 may be masked
     kl_coef: float = 0.0  # weight of the k3 KL penalty towards a frozen reference (0 = no reference)
     entropy_coef: float = 0.0  # weight of the entropy bonus (0 = entropy is not computed)
     temperature: float = 1.0  # logits are divided by this before scoring; use the sampling temperature
@@ -69,6 +84,15 @@ class LossConfig:
         _check(0 <= self.clip_high < math.inf, "clip_high", f"must be finite and >= 0, got {self.clip_high!r}")
         _check(self.is_level in IS_LEVELS, "is_level", f"must be one of {IS_LEVELS}, got {self.is_level!r}")
         _check(self.is_cap > 0, "is_cap", f"must be > 0 (math.inf disables truncation), got {self.is_cap!r}")
+        _check(self.correction in CORRECTIONS, "correction", f"must be one of {CORRECTIONS}, got {self.correction!r}")
+        masking = self.correction == Correction.MASK
+        _check(not masking or self.is_level != "none", "is_level", "must be 'token' or 'sequence' with 'mask'")
+        _check(not masking or self.is_cap >= 1, "is_cap",
+               f"must be >= 1 with correction='mask' (the kept range is [1/is_cap, is_cap]), got {self.is_cap!r}")
+        _check(0 <= self.m2_threshold < math.inf, "m2_threshold",
+               f"must be finite and >= 0, got {self.m2_threshold!r}")
+        _check(isinstance(self.m2_trust_region, bool), "m2_trust_region",
+               f"must be a bool, got {self.m2_trust_region!r}")
         _check(0 <= self.kl_coef < math.inf, "kl_coef", f"must be finite and >= 0, got {self.kl_coef!r}")
         _check(0 <= self.entropy_coef < math.inf, "entropy_coef",
                f"must be finite and >= 0, got {self.entropy_coef!r}")
@@ -180,30 +204,42 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    staleness: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics (detached
-    0-dim tensors).
+    0-dim tensors), under ``cfg.correction`` (``asyncrl.algorithms.corrections``).
 
     ``logp`` (current, with grad), ``old_logp`` (proximal; pass ``logp.detach()`` when the learner has no
-    separate one), ``behaviour_logp``, ``ref_logp``, ``entropy`` and ``mask`` are ``[B, T]``;
-    ``advantages`` is ``[B]``. Values at padding are ignored.
+    separate one), ``behaviour_logp``, ``ref_logp``, ``entropy``, ``staleness`` (versions behind the learner,
+    for the per-bucket gauges) and ``mask`` are ``[B, T]``; ``advantages`` is ``[B]``. Values at padding are
+    ignored. ``loss/is_weight_mean`` counts a masked token as weight 0, as the loss does.
     """
-    _check_shapes(logp, old_logp, behaviour_logp, advantages, mask, ref_logp, entropy, cfg)
+    _check_shapes(logp, old_logp, behaviour_logp, advantages, mask, ref_logp, entropy, cfg, staleness)
     mask = mask.to(logp.dtype)
     logp = torch.where(mask > 0, logp, old_logp.detach())  # padding gets ratio 1 whatever it holds
-    weight, truncated = importance_weights(old_logp, behaviour_logp, mask, cfg.is_level, cfg.is_cap)
-    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages[:, None], cfg.clip_low, cfg.clip_high)
+    behaviour_log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
+    weight, truncated, masked = _corrected_weights(logp, old_logp, behaviour_logp, advantages, mask, cfg)
+    if cfg.correction == Correction.M2PO:  # the second-moment bound replaces the clip
+        surrogate = torch.exp(logp - old_logp.detach()) * advantages[:, None]
+        clipped = torch.zeros_like(mask)
+    else:
+        surrogate, clipped = clipped_surrogate(logp, old_logp, advantages[:, None], cfg.clip_low, cfg.clip_high)
     policy = normalise(-(weight * surrogate), mask, cfg)
     loss = policy
-    behaviour_log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
     metrics = {
         "loss/policy": policy.detach(),
         "loss/clip_frac": masked_mean(clipped, mask),
         "loss/is_trunc_frac": masked_mean(truncated, mask),
+        "loss/is_masked_frac": masked_mean(masked, mask),
         "loss/is_weight_mean": masked_mean(weight, mask),
         "loss/ratio_behaviour_mean": masked_mean(behaviour_log_ratio.exp(), mask),
         "loss/approx_kl_behaviour": masked_mean(k3(behaviour_log_ratio), mask),
+        "loss/m2_behaviour": masked_mean(behaviour_log_ratio.square(), mask),
     }
+    if staleness is not None:
+        truncating = cfg.correction == Correction.TRUNCATE
+        metrics.update(staleness_metrics(staleness, mask, truncated if truncating else masked,
+                                         "is_trunc_frac" if truncating else "is_masked_frac"))
     if ref_logp is not None:
         kl = k3(torch.where(mask > 0, ref_logp.detach() - logp, 0.0))
         loss = loss + cfg.kl_coef * normalise(kl, mask, cfg)
@@ -215,12 +251,30 @@ def policy_loss(
     return loss, metrics
 
 
+def _corrected_weights(logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor,
+                       cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Detached per-token weights under ``cfg.correction``, with float flags of the capped and the masked tokens.
+    The weight is proximal/behaviour; M2PO's second moment measures the current policy instead, as the paper
+    does, so a learner taking several steps per batch is bounded by the weights it is moving."""
+    if cfg.correction == Correction.TRUNCATE:
+        weight, truncated = importance_weights(old_logp, behaviour_logp, mask, cfg.is_level, cfg.is_cap)
+        return weight, truncated, torch.zeros_like(mask)
+    none = torch.zeros_like(mask)
+    log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
+    if cfg.correction == Correction.M2PO:
+        current = torch.where(mask > 0, logp.detach() - behaviour_logp, 0.0)
+        masked = m2po_mask(current, mask, advantages, cfg.m2_threshold, cfg.m2_trust_region)
+        return torch.where(masked > 0, 0.0, log_ratio.exp()), none, masked
+    weight, masked = masked_weights(log_ratio, mask, cfg.is_level, cfg.is_cap)
+    return weight, none, masked
+
+
 def _check_shapes(
     logp: Tensor, old_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor,
-    ref_logp: Tensor | None, entropy: Tensor | None, cfg: LossConfig,
+    ref_logp: Tensor | None, entropy: Tensor | None, cfg: LossConfig, staleness: Tensor | None = None,
 ) -> None:
     named = {"old_logp": old_logp, "behaviour_logp": behaviour_logp, "mask": mask,
-             "ref_logp": ref_logp, "entropy": entropy}
+             "ref_logp": ref_logp, "entropy": entropy, "staleness": staleness}
     if logp.dim() != 2:
         raise ValueError(f"logp must be [batch, tokens], got shape {tuple(logp.shape)}")
     for name, tensor in named.items():
@@ -250,13 +304,15 @@ class GRPOLoss:
         self.ref_model = ref_model  # frozen reference for the KL term; scored without grad
 
     def compute(
-        self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, proximal_logp: Tensor | None = None
+        self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, proximal_logp: Tensor | None = None,
+        policy_version: int | None = None,
     ) -> LossOutput:
         """Loss of ``groups`` under ``model``.
 
         ``proximal_logp`` ``[B, T]`` (rollouts in group order) is for learners that take several optimiser
         steps per batch; without it the proximal policy is the current one, detached (ratio 1, no clipping;
-        the importance weight still corrects for staleness).
+        the importance weight still corrects for staleness). ``policy_version`` is what token staleness is
+        measured from (``corrections.token_staleness``; default: the newest version among the groups).
         """
         rollouts = _rollouts_of(groups)
         prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
@@ -269,9 +325,10 @@ class GRPOLoss:
         advantages = self.advantages(groups)
         behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
+        staleness = to_device(token_staleness(rollouts, scored.mask.shape[1], policy_version), device)
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
                                     self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
-                                    entropy=scored.entropy)
+                                    entropy=scored.entropy, staleness=staleness)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
         return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
 
