@@ -9,7 +9,11 @@ trains on the same prompt order for the same number of samples (steps x groups x
 
 - ``sync``: ``Pipeline.run_synchronous`` (generate a batch, train, publish; max staleness 0);
 - ``async_s{1,2,4}``: ``Pipeline.run`` with max staleness 1, 2, 4 and token-level truncated importance
-  weights (``is_level="token"``); ``async_s{k}_no_is``: the same without the correction (``"none"``).
+  weights (``is_level="token"``); ``async_s{k}_no_is``: the same without the correction (``"none"``);
+- opt-in rows, run only when named in ``--only`` (the default run is the seven above): ``async_s8`` (truncation
+  at staleness 8) and, at staleness 4 and 8, the other corrections of ``LossConfig.correction``:
+  ``async_s{k}_mis`` (token-level masked importance sampling), ``async_s4_mis_seq`` (sequence level) and
+  ``async_s{k}_m2po`` (M2PO's second-moment mask), e.g. ``--only sync async_s4 async_s4_mis async_s4_m2po``.
 
 One vLLM engine serves every setting: before each one, the base weights are published into it (pause ->
 reload -> resume, a new version, through a ``WeightSync``) and a fresh learner (new model copy and optimiser)
@@ -52,7 +56,9 @@ class Setting:
     name: str  # result key
     synchronous: bool
     max_staleness: int
-    is_level: str  # "token" or "none"
+    is_level: str  # "token", "sequence" or "none"
+    correction: str = "truncate"  # LossConfig.correction: "truncate", "mask" or "m2po"
+    opt_in: bool = False  # runs only when named in --only
 
 
 # Sync and the corrected async runs go first, back to back, so load drift on a shared machine biases their
@@ -65,6 +71,12 @@ SETTINGS = (
     Setting("async_s1_no_is", False, 1, "none"),
     Setting("async_s2_no_is", False, 2, "none"),
     Setting("async_s4_no_is", False, 4, "none"),
+    Setting("async_s4_mis", False, 4, "token", "mask", opt_in=True),
+    Setting("async_s4_mis_seq", False, 4, "sequence", "mask", opt_in=True),
+    Setting("async_s4_m2po", False, 4, "token", "m2po", opt_in=True),
+    Setting("async_s8", False, 8, "token", opt_in=True),
+    Setting("async_s8_mis", False, 8, "token", "mask", opt_in=True),
+    Setting("async_s8_m2po", False, 8, "token", "m2po", opt_in=True),
 )
 
 
@@ -82,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", help="one run of every setting per seed (default 0 1 2; "
                    "quick: 0)")
     p.add_argument("--reward", choices=("exact", "digits"), default="exact", help="RL reward (see the example)")
-    p.add_argument("--only", nargs="*", choices=[s.name for s in SETTINGS], help="run just these settings")
+    p.add_argument("--only", nargs="*", choices=[s.name for s in SETTINGS],
+                   help="run just these settings (the only way to run the opt-in rows)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.steps = args.steps or (80 if args.quick else 250)
@@ -141,7 +154,8 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
     torch.manual_seed(seed)
     pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, seed), ex.prompt_reward(task),
-                             pipeline_config(args, s), loss_config=LossConfig(is_level=s.is_level),
+                             pipeline_config(args, s),
+                             loss_config=LossConfig(is_level=s.is_level, correction=s.correction),
                              pad_id=tok.pad_token_id, close_engine=False)
     evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
     progress = tracking.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
@@ -158,6 +172,7 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
         "final_accuracy": final, "wall_s": run.wall_s - evals.seconds, "mean_staleness":
         queue["rollout/staleness_mean"], "samples_trained": run.samples_trained, "steps": run.steps,
         "synchronous": s.synchronous, "max_staleness": s.max_staleness, "is_level": s.is_level,
+        "correction": s.correction,
         "wall_s_with_eval": run.wall_s, "eval_s": evals.seconds, "train_s": run.train_s,
         "sync_s": run.sync_s, "gen_s": run.gen_s, "samples_per_s": run.samples_trained /
         max(1e-9, run.wall_s - evals.seconds), "dropped": run.dropped, "unaccounted": run.unaccounted,
@@ -187,7 +202,7 @@ async def run_all(args: argparse.Namespace, bases: dict[int, tuple[ex.Task, Path
             task, base = bases[seed]
             befores[seed] = await base_accuracy(engine, base, tok, task, args)
             for s in SETTINGS:
-                if not args.only or s.name in args.only:
+                if (s.name in args.only) if args.only else not s.opt_in:
                     r = await run_setting(engine, base, tok, task, args, s, befores[seed], seed)
                     runs.setdefault(s.name, {})[seed] = r
                     print(f"seed {seed} {s.name:>15}: accuracy {r['final_accuracy']:.1%}  wall {r['wall_s']:.0f}s"
@@ -264,7 +279,7 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {0: "black", 1: "C0", 2: "C1", 4: "C2"}
+    colours = {0: "black", 1: "C0", 2: "C1", 4: "C2", 8: "C3"}
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for s in SETTINGS:
         r = results.get(s.name)
@@ -273,7 +288,8 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
         for i, run in enumerate(r["seeds"].values()):  # one curve per seed, the setting's mean in the label
             xs = [p["wall_s"] for p in run["curve"]] + [run["wall_s"]]
             ys = [p["accuracy"] for p in run["curve"]] + [run["final_accuracy"]]
-            ax.plot(xs, ys, "o-" if s.is_level != "none" else "s--", ms=3, color=colours[s.max_staleness],
+            style = {"truncate": "o-", "mask": "^-", "m2po": "d-"}[s.correction] if s.is_level != "none" else "s--"
+            ax.plot(xs, ys, style, ms=3, color=colours[s.max_staleness],
                     label=None if i else f"{s.name} ({r['final_accuracy_mean']:.0%}, {r['wall_s_mean']:.0f}s)",
                     alpha=0.8 if s.is_level != "none" else 0.4)
     ax.set_xlabel("training wall time (s, held-out evaluation excluded)")
