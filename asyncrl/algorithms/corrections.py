@@ -15,8 +15,9 @@ proximal policy is the current one, detached) and ``c = LossConfig.is_cap``:
   tokens with the largest ``m2`` until the mean ``m2`` of the rest is ``<= tau`` (``m2_threshold``); the rest get
   the plain importance-weighted gradient ``rho * r * A`` (no clipping). As in the paper, only tokens where the
   update pushes the ratio further from 1 (``A > 0, rho > 1`` or ``A < 0, rho < 1``) are candidates and enter the
-  mean, unless ``m2_trust_region=False``. The loss sees one micro-batch, so each micro-batch meets the bound;
-  the step, a token-weighted mean of them, then meets it too.
+  mean, unless ``m2_trust_region=False`` (then every token with a nonzero advantage). Tokens of advantage 0
+  never are: they move nothing, and leaving them out makes skipping inert groups exact. The loss sees one
+  micro-batch, so each micro-batch meets the bound; the step, a token-weighted mean of them, meets it too.
 
 A masked token has weight 0 but stays in the normaliser (``losses.normalise``), as a clipped token does: the
 step stays the same whatever the micro-batching (the learner weights micro-batches by model tokens), a batch
@@ -70,10 +71,11 @@ def m2po_mask(log_ratio: Tensor, mask: Tensor, advantages: Tensor, tau: float,
     ``k`` (the largest is never below the mean), so the number to drop is the count of ``k`` whose mean is over
     ``tau``. Sums are taken in float64, so the count matches the one-at-a-time greedy rule."""
     log_ratio = log_ratio.detach()
-    candidate = mask > 0
+    a = advantages.detach()[:, None]
     if trust_region:
-        a = advantages.detach()[:, None]
-        candidate = candidate & (((a > 0) & (log_ratio > 0)) | ((a < 0) & (log_ratio < 0)))
+        candidate = (mask > 0) & (((a > 0) & (log_ratio > 0)) | ((a < 0) & (log_ratio < 0)))
+    else:
+        candidate = (mask > 0) & (a != 0)
     m2 = torch.where(candidate, log_ratio.double().square(), -1.0).flatten()  # non-candidates sort last
     ranked, order = torch.sort(m2, descending=True)
     ranked = ranked.clamp(min=0)
