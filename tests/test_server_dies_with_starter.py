@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 STARTER = """
 import asyncio, sys
-from asyncrl.engines.vllm_remote import free_port, start_vllm_server
+from asyncrl.engines.vllm_remote.process import free_port, start_vllm_server
 
 async def main():
     async with start_vllm_server(sys.argv[1], free_port(), extra_args=sys.argv[2:]) as server:
@@ -92,8 +92,8 @@ def test_a_server_dies_with_its_starter_killed_by_sigkill(tiny_model_dir: Path, 
         starter.wait()
         _until(lambda: not _living(tree) and not group_members(pgid), 60,
                f"outlived their starter: {[p.cmdline()[:3] for p in _living(tree)]}")
-        _until(lambda: not list(base.iterdir()) and not list(temp.iterdir()), 10,
-               f"left behind: {list(base.iterdir())} {list(temp.iterdir())}")
+        logs = lambda: list(temp.glob("vllm-server-*.log"))  # noqa: E731
+        _until(lambda: not list(base.iterdir()) and not logs(), 10, f"left behind: {list(base.iterdir())} {logs()}")
     finally:
         starter.kill()
         for proc in _living(tree):  # the old code's orphans: leave none to the next test
