@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 2 -m examples.distributed_grpo --model-dir DIR --servers http://127.0.0.1:8000
     torchrun --nproc-per-node 2 -m examples.distributed_grpo --model-dir DIR --start-servers 1   # one host
-    python -m asyncrl.launch.ray --model-dir DIR --servers 2 --ranks 2 -- --steps 50              # Ray
+    python -m asyncrl.launch.ray --entry examples.distributed_grpo --model-dir DIR --servers 2 --ranks 2 \\
+        -- --steps 50                                                                              # Ray
 
 Rank 0 connects to the servers (an ``EnginePool``), runs the producers, the queue and the learner; each step
 the batch is split over the ranks and the gradients summed by FSDP. Weights are gathered bucket by bucket,
@@ -128,7 +129,7 @@ async def connect(args: argparse.Namespace, urls: list[str], local_rank: int) ->
     from asyncrl.distributed import PrestagedTarget
     from asyncrl.engines.pool import EnginePool
     from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
-    from asyncrl.engines.vllm_remote.process import free_port
+    from asyncrl.engines.vllm_remote import free_port
 
     engines = []
     for i, url in enumerate(urls):
@@ -152,7 +153,7 @@ async def lead(args: argparse.Namespace, backend: Any, hooks: list[Any] = ()) ->
     """Rank 0: servers (started here with --start-servers), pool, pipeline, run."""
     import contextlib
 
-    from asyncrl.engines.vllm_remote.process import free_port, start_vllm_server
+    from asyncrl.engines.vllm_remote import free_port, start_vllm_server
 
     async with contextlib.AsyncExitStack() as stack:
         urls = [u for u in args.servers.split(",") if u]

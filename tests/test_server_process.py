@@ -12,5 +12,13 @@ def test_a_server_started_from_a_torchrun_rank_sees_none_of_the_launchers_variab
     env = server_env({"CUDA_VISIBLE_DEVICES": "1"}, base=rank_env)
     assert not {k for k in env if k in rank_env and k not in ("PATH", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")}
     assert env["PATH"] == "/usr/bin" and env["CUDA_VISIBLE_DEVICES"] == "1"  # the caller's env wins
-    assert env["PYTHONPATH"].endswith("/site") and env["PYTHONPATH"] != "/site"  # the project root goes first
+    assert env["PYTHONPATH"] == "/site"  # as inherited: the server finds asyncrl the way its starter did
     assert all(env[k] == v for k, v in DEFAULT_ENV.items())
+
+
+def test_the_server_helpers_are_exported_by_the_package() -> None:
+    from asyncrl.engines import vllm_remote
+    from asyncrl.engines.vllm_remote import process
+
+    assert (vllm_remote.start_vllm_server, vllm_remote.ServerProcess, vllm_remote.free_port) == (
+        process.start_vllm_server, process.ServerProcess, process.free_port)

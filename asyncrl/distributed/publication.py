@@ -12,9 +12,7 @@ once for N servers, before the pause.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -22,8 +20,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.engines.protocols import WeightTarget, WeightUpdate
-from asyncrl.engines.weights import (STAGING_PREFIX, ParamSpec, StagedWeights, collect_stale_staging,
-                                     first_non_finite, read_manifest, staging_root, state_dict_for_engine)
+from asyncrl.engines.weights import (ParamSpec, StagedWeights, first_non_finite, make_staging_dir, read_manifest,
+                                     state_dict_for_engine)
 from asyncrl.errors import WeightUpdateError
 from asyncrl.types import PauseMode
 
@@ -55,9 +53,7 @@ def stage_buckets(buckets: Iterator[Mapping[str, torch.Tensor]], dtype: torch.dt
     raises ``WeightUpdateError`` and the directory is removed."""
     from safetensors.torch import save_file
 
-    root = root or staging_root()
-    collect_stale_staging(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    tmp = make_staging_dir(root)
     bad: str | None = None
     try:
         for index, bucket in enumerate(buckets):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -26,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.engines.owned_dirs import collect_dead_owners, make_owned_dir
 from asyncrl.errors import WeightUpdateError
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 STAGING_PREFIX = ".asyncrl-staging-"
-_STAGED_NAME = re.compile(rf"^{re.escape(STAGING_PREFIX)}(\d+)-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +126,7 @@ def stage(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, root: Path | 
     """Write the tensors as one safetensors file in a fresh directory, complete before it is visible."""
     from safetensors.torch import save_file
 
-    root = root or staging_root()
-    collect_stale_staging(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+    tmp = make_staging_dir(root)
     try:
         payload = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
         save_file(payload, str(tmp / WEIGHTS_FILE))
@@ -139,31 +136,15 @@ def stage(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, root: Path | 
     return StagedWeights(tmp)
 
 
+def make_staging_dir(root: Path | None = None) -> Path:
+    """A new staging directory of this process under ``root`` (default ``staging_root()``), after collecting
+    those of dead processes there (``owned_dirs``)."""
+    return make_owned_dir(root or staging_root(), STAGING_PREFIX)
+
+
 def collect_stale_staging(root: Path) -> list[Path]:
     """Remove staging directories under ``root`` whose writing process is gone. Returns what was removed."""
-    removed = []
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _STAGED_NAME.match(entry.name)
-        if match and not _alive(int(match.group(1))) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    if removed:
-        log.info("removed %d staging directories left by dead processes under %s", len(removed), root)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
+    return collect_dead_owners(root, STAGING_PREFIX)
 
 
 class _Abandoned(Exception):

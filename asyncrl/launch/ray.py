@@ -1,14 +1,16 @@
 """Ray as the launcher (``pip install 'asyncrl[ray]'``): a placement group places the vLLM servers and the learner
 ranks, their addresses are wired together, and every rank runs the same program as under torchrun.
 
-    python -m asyncrl.launch.ray --address auto --model-dir DIR --servers 2 --ranks 2 --server-gpus 1 \\
-        --rank-gpus 1 -- --steps 50 --transfer nccl          # an existing Ray cluster (`ray start --head`)
-    python -m asyncrl.launch.ray --local-cpus 2 --model-dir DIR --servers 1 --ranks 2 -- --steps 3
+    python -m asyncrl.launch.ray --address auto --entry examples.distributed_grpo --model-dir DIR --servers 2 \\
+        --ranks 2 --server-gpus 1 --rank-gpus 1 -- --steps 50 --transfer nccl   # an existing cluster (`ray start`)
+    python -m asyncrl.launch.ray --local-cpus 2 --entry examples.distributed_grpo --model-dir DIR --servers 1 \\
+        --ranks 2 -- --steps 3
 
 One actor per server starts ``vllm.entrypoints.openai.api_server`` on its node (``start_vllm_server``) and
 reports its URL; one actor per rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (a free port on rank 0's node) and ``ASYNCRL_SERVERS``, then calls ``main(argv)`` of the entry
-module (default ``examples.distributed_grpo``) with ``--model-dir`` and the arguments after ``--``. Rank 0
+module (``--entry``, required) with ``--model-dir`` and the arguments after ``--``. The ranks import the entry
+module as this process would: installed, or found through the PYTHONPATH the Ray workers inherit. Rank 0
 runs the pipeline; the others serve. The launcher waits for every rank: the first failure (an error, or an
 actor that died) stops the other ranks and the servers and is raised naming the rank. Servers are always
 stopped, and the placement group removed, before the launcher returns.
@@ -29,12 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.errors import ConfigError
 from asyncrl.launch.layout import Layout
 
 log = logging.getLogger(__name__)
-
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
-DEFAULT_ENTRY = "examples.distributed_grpo"
 
 
 class LaunchError(RuntimeError):
@@ -79,15 +79,18 @@ class RankActor:
 
     def run(self, entry: str, argv: list[str], env: dict[str, str]) -> Any:
         os.environ.update(env)
-        if _PROJECT_ROOT not in sys.path:
-            sys.path.insert(0, _PROJECT_ROOT)
-        return importlib.import_module(entry).main(argv)
+        main = getattr(importlib.import_module(entry), "main", None)
+        if not callable(main):
+            raise ConfigError("entry", f"module {entry!r} has no main(argv)")
+        return main(argv)
 
 
-def launch(layout: Layout, model_dir: str | Path, argv: Sequence[str] = (), *, entry: str = DEFAULT_ENTRY,
+def launch(layout: Layout, model_dir: str | Path, argv: Sequence[str] = (), *, entry: str,
            server_args: Sequence[str] = (), server_env: dict[str, str] | None = None,
            timeout_s: float = 3600.0) -> Any:
-    """Place and run (``ray.init`` first). Returns rank 0's result; raises ``LaunchError`` on a failure."""
+    """Place and run (``ray.init`` first): every rank runs ``main(argv)`` of the module named ``entry`` (e.g.
+    ``"examples.distributed_grpo"``). Returns rank 0's result; raises ``LaunchError`` on a failure."""
+    check_entry(entry)
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -112,9 +115,8 @@ def _actor(cls: type, pg: Any, bundle: int, cpus: float, gpus: int) -> Any:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
     return ray.remote(cls).options(
-        num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env},
+        num_cpus=cpus, num_gpus=gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
     ).remote()
 
@@ -167,6 +169,12 @@ def _stop_servers(servers: list[Any]) -> None:
         ray.kill(server)
 
 
+def check_entry(entry: str) -> None:
+    """``entry`` must name a module (dotted identifiers); whether it imports is found out where the ranks run."""
+    if not isinstance(entry, str) or not all(part.isidentifier() for part in entry.split(".")):
+        raise ConfigError("entry", f"{entry!r} is not a module name (such as 'examples.distributed_grpo')")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [line for line in text.splitlines() if line.strip()]
@@ -191,7 +199,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--rank-cpus", type=float, default=1.0)
     p.add_argument("--strategy", default="PACK")
     p.add_argument("--server-args", default="", help="extra vLLM server flags, one string")
-    p.add_argument("--entry", default=DEFAULT_ENTRY, help="module whose main(argv) every rank runs")
+    p.add_argument("--entry", required=True, help="module whose main(argv) every rank runs, e.g. "
+                   "examples.distributed_grpo (importable where the ranks run)")
     p.add_argument("--timeout-s", type=float, default=3600.0)
     return p.parse_args(own), rest
 

@@ -1,7 +1,9 @@
 """vLLM OpenAI servers over HTTP: the engine, its HTTP API client, the NCCL weight transport, and a launcher
-for server processes."""
+for server processes (``start_vllm_server``: a server that dies with the process that started it)."""
 
 from asyncrl.engines.vllm_remote.config import RemoteEngineConfig
 from asyncrl.engines.vllm_remote.engine import RemoteVLLMEngine, WeightTransport
+from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, start_vllm_server
 
-__all__ = ["RemoteEngineConfig", "RemoteVLLMEngine", "WeightTransport"]
+__all__ = ["RemoteEngineConfig", "RemoteVLLMEngine", "ServerProcess", "WeightTransport", "free_port",
+           "start_vllm_server"]

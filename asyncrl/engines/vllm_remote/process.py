@@ -1,7 +1,10 @@
 """Launch a vLLM OpenAI server as a child process group, and make sure none of it outlives us.
 
-The server (API process) spawns an EngineCore and a worker; all three share the process group created at
-launch, so one ``killpg`` reaches them all, even after the API process itself is gone.
+A guardian process (``guardian.py``) leads a new process group and starts the server in it; the server (API
+process) spawns an EngineCore and a worker. All four share the group, so one ``killpg`` reaches them all, even
+after the API process itself is gone. The guardian exits when the server does, the way it did; and if this
+process dies, SIGKILL included, the guardian takes the whole group down and removes the server's socket
+directory and temporary log.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import aiohttp
 from asyncrl.engines.rpc_dir import ENV as RPC_ENV
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import WORKER_EXTENSION
+from asyncrl.engines.vllm_remote import guardian
+from asyncrl.engines.vllm_remote.guardian import group_members
+
+__all__ = ["DEFAULT_ENV", "ServerProcess", "free_port", "group_members", "server_args", "server_env",
+           "start_vllm_server"]
 
 log = logging.getLogger(__name__)
-
-# The worker imports the extension by name: the project root must be on its path wherever the server runs.
-_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 
 # What every server we start gets unless the caller's ``env`` says otherwise.
 DEFAULT_ENV: Mapping[str, str] = {
@@ -48,12 +53,12 @@ LAUNCHER_ENV_PREFIX = "TORCHELASTIC_"
 
 def server_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ``base`` (default ``os.environ``) without the launcher's variables, then
-    ``DEFAULT_ENV``, then ``env``; the project root goes first on PYTHONPATH."""
+    ``DEFAULT_ENV``, then ``env``. The worker imports asyncrl's extension by name, so the server must find
+    asyncrl the way this process did: installed in the same interpreter, or through the PYTHONPATH it
+    inherits (a source checkout)."""
     inherited = {k: v for k, v in (os.environ if base is None else base).items()
                  if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIX)}
-    full = {**inherited, **DEFAULT_ENV, **(env or {})}
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, full.get("PYTHONPATH")) if p)
-    return full
+    return {**inherited, **DEFAULT_ENV, **(env or {})}
 
 
 def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:
@@ -82,28 +87,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, read from /proc (Linux)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        # Fields after the parenthesised command: state, ppid, pgrp, ...
-        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
 @dataclass(frozen=True, slots=True)
 class ServerProcess:
     """A running vLLM server started by ``start_vllm_server``."""
 
-    process: asyncio.subprocess.Process  # the API server; its pid is also the process-group id
+    process: asyncio.subprocess.Process  # the guardian: leads the group, exits when the server does, as it did
     port: int
     model_dir: Path
     log_path: Path  # the server's stdout and stderr
@@ -201,14 +189,16 @@ async def start_vllm_server(model_dir: str | Path, port: int, *, extra_args: Seq
     (``server_env``), so a learner rank under torchrun can start one. The log goes to ``log_path``, else to a
     new file under the temp dir that is removed after a clean exit or a cancellation and kept, for the
     post-mortem, when the server failed to start or the block raised. vLLM's IPC sockets go to a private
-    directory under ``VLLM_RPC_BASE_PATH`` (``env``'s, else this process's, else the temp dir), removed on exit.
+    directory under ``VLLM_RPC_BASE_PATH`` (``env``'s, else this process's, else the temp dir: ``rpc_dir``),
+    removed on exit. If this process dies without exiting the block (SIGKILL), the server's guardian stops the
+    server and removes that directory and the temporary log.
     """
     rpc_dir = make_rpc_dir((env or {}).get(RPC_ENV))
     temp_log = None if log_path is not None else _temp_log(port)
     failed = True
     try:
         server = await _spawn(model_dir, port, extra_args, {**(env or {}), RPC_ENV: str(rpc_dir)},
-                              log_path or temp_log, rpc_dir)
+                              log_path or temp_log, rpc_dir, temp_log)
         try:
             t0 = time.monotonic()
             await _wait_healthy(server, startup_timeout_s)
@@ -240,12 +230,16 @@ def _temp_log(port: int) -> Path:
 
 
 async def _spawn(model_dir: str | Path, port: int, extra_args: Sequence[str], env: Mapping[str, str],
-                 log_path: str | Path, rpc_dir: Path) -> ServerProcess:
+                 log_path: str | Path, rpc_dir: Path, temp_log: Path | None) -> ServerProcess:
     log_path = Path(log_path)
+    removed = [str(p) for p in (rpc_dir, temp_log) if p is not None]  # by the guardian if we die
+    command = [sys.executable, "-I", guardian.__file__, "--starter", str(os.getpid()),
+               *(arg for path in removed for arg in ("--remove", path)), "--",
+               *server_args(model_dir, port, extra_args)]
     with log_path.open("ab") as log_file:
         # A file, not a pipe: nobody would drain a pipe, and a full pipe blocks the server.
         process = await asyncio.create_subprocess_exec(
-            *server_args(model_dir, port, extra_args), env=server_env(env), stdin=asyncio.subprocess.DEVNULL,
+            *command, env=server_env(env), stdin=asyncio.subprocess.DEVNULL,
             stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
     log.info("started vLLM server pid %d on port %d (log %s)", process.pid, port, log_path)
