@@ -4,20 +4,22 @@ vLLM producers stream version-tagged rollouts into a bounded queue; an async lea
 publishes new weights into the engine (prepare -> pause -> load -> resume).
 """
 
-from asyncrl.actors import Learner, Producer, RewardFn, WeightSync
+from asyncrl.actors import Learner, Producer, RewardFn, WeightSync, publish
+from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import (
     AbortPolicy, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
     RewardExecution, SamplingConfig, SyncConfig,
 )
 from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
+from asyncrl.engines import state_dict_for_engine
+from asyncrl.episodes import Env, EnvFactory, Episode, EpisodeRunner, StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.errors import (
     ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
     QueueClosed, RolloutDropped, WeightUpdateError,
 )
-from asyncrl.episodes import Env, EnvFactory, Episode, StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.pipeline import Pipeline, RunResult
-from asyncrl.queues import RolloutReceiver, RolloutSender, create_rollout_queue
+from asyncrl.queues import RemoteQueueClient, RolloutIngestServer, RolloutReceiver, RolloutSender, create_rollout_queue
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.runtime import run
 from asyncrl.types import (
@@ -29,11 +31,12 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
-    "EnvFactory", "Episode", "EpisodeConfig", "FinishReason", "GroupCounters",
-    "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
-    "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",
-    "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "Rollout", "RolloutDropped", "RolloutGroup",
-    "RolloutReceiver", "RolloutSender", "RunResult", "Sample", "SamplingConfig", "StepResult", "SyncConfig",
-    "SyncTiming", "ToolBox", "ToolCall", "ToolEnv", "Trajectory", "VersionClock",
-    "VersionSpan", "WeightSync", "WeightUpdateError", "grpo_pipeline", "create_rollout_queue", "run",
+    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupCounters",
+    "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
+    "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
+    "PromptSource", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution", "RewardFn", "Rollout",
+    "RolloutDropped", "RolloutGroup", "RolloutIngestServer", "RolloutReceiver", "RolloutSender", "RunResult",
+    "Sample", "SamplingConfig", "StepResult", "SyncConfig", "SyncTiming", "ToolBox", "ToolCall", "ToolEnv",
+    "Trajectory", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError", "create_rollout_queue",
+    "grpo_pipeline", "publish", "run", "state_dict_for_engine",
 ]

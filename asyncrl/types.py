@@ -50,6 +50,8 @@ class DropReason(str, enum.Enum):
     ENV_TIMEOUT = "env_timeout"  # an environment call took longer than ``EpisodeConfig.env_timeout_s``
     TOOL_TIMEOUT = "tool_timeout"  # a tool call took longer than its ``ToolBox`` timeout
     ENV_OUTPUT_TOO_LONG = "env_output_too_long"  # one environment step returned more than ``max_env_tokens`` ids
+    # a prompt, or the ids an environment step returned, hold an id outside the engine's ``Sampler.vocab_size``
+    OUT_OF_VOCABULARY = "out_of_vocabulary"
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
 

@@ -102,7 +102,7 @@ async def one_run(engine: Any, model_dir: Path, tok: Any, args: argparse.Namespa
                   seed: int) -> dict[str, Any]:
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.recipes import grpo_pipeline
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
 
     model = common.load_learner(model_dir)
     pipeline = grpo_pipeline(

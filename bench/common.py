@@ -245,7 +245,7 @@ def load_learner(model_dir: Path, dtype: str | None = None) -> Any:
 def qwen_spec(hidden: int, layers: int, vocab: int = 128, *, intermediate: int | None = None,
               context: int = 512, tied: bool = True, dtype: str = "float32", seed: int = 0) -> Any:
     """A Qwen2 shape with head size 64 (supported by vLLM on CPU and GPU) and 2:1 grouped KV heads."""
-    from asyncrl.tiny import TinyModelSpec
+    from asyncrl.testing.tiny import TinyModelSpec
 
     if hidden % 128:
         raise ValueError(f"hidden size must be a multiple of 128 (head size 64, 2 query heads per KV head), "
@@ -260,8 +260,8 @@ def build_model(name: str, spec: Any) -> Path:
 
     ``ASYNCRL_BENCH_MODEL=DIR`` uses a model built beforehand instead (the H200 runs use a Qwen2-0.5B-shaped
     model built in its own process by ``python -m bench.gpu.build_qwen05``)."""
-    from asyncrl.tasks import arithmetic
-    from asyncrl.tiny import build_tiny
+    from asyncrl.testing.tasks import arithmetic
+    from asyncrl.testing.tiny import build_tiny
 
     if os.environ.get("ASYNCRL_BENCH_MODEL"):
         return Path(os.environ["ASYNCRL_BENCH_MODEL"])
@@ -298,7 +298,7 @@ def param_count(model_dir: Path) -> int:
 def arithmetic_prompts(tok: Any, seed: int = 0, limit: int | None = None) -> Iterator[Any]:
     """``asyncrl.Prompt`` objects for addition problems (``limit`` of them, or endless)."""
     from asyncrl import Prompt
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
 
     for i, problem in enumerate(arithmetic.problems(seed)):
         if limit is not None and i >= limit:

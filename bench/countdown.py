@@ -108,7 +108,7 @@ def length_of(prompt_text: str) -> int:
 def build_tokenizer(out: Path) -> int:
     """A byte-level BPE in which every task word (after a space, and ``begin`` without) is one token, with a
     chat template that renders message contents as they are (TRL's async trainer needs one)."""
-    from asyncrl.tiny import build_tokenizer as train_bpe
+    from asyncrl.testing.tiny import build_tokenizer as train_bpe
 
     words = [*INSTRUCTION, *(number(k) for k in range(MAX_L + 1)), *(filler(i) for i in range(FILLER))]
     corpus = [f"{FIRST} " + " ".join(words)] * 4  # each word seen after a space: one merge chain per word
@@ -135,7 +135,7 @@ def check_tokenizer(model_dir: Path) -> None:
 
 def build(out: Path, shape: str, seed: int = 0) -> Path:
     """Tokenizer + randomly initialised bf16 Qwen2 of ``shape`` in ``out``."""
-    from asyncrl.tiny import TinyModelSpec, build_model
+    from asyncrl.testing.tiny import TinyModelSpec, build_model
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)

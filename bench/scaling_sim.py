@@ -96,6 +96,10 @@ class ActorEngine:
     def max_model_len(self) -> int:
         return 4096
 
+    @property
+    def vocab_size(self) -> int:
+        return 100  # the FakeEngine in each actor (its default vocabulary)
+
     async def generate(self, prompt_ids: tuple[int, ...], params: Any, request_id: str, n: int | None = None) -> Any:
         return await self.actor.generate.remote(prompt_ids, params, request_id, n)
 

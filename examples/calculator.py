@@ -8,7 +8,7 @@ import random
 import re
 from typing import Any
 
-from asyncrl.tasks import arithmetic
+from asyncrl.testing.tasks import arithmetic
 from examples import common
 
 CALL, END_CALL, RES, END_RES, ERR = "<calc>", "</calc>", "<res>", "</res>", "<err>"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks import arithmetic
+from asyncrl.testing.tasks import arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
 RewardFn = Callable[[str, str], float]  # (completion text, reference answer) -> reward

@@ -108,7 +108,7 @@ def prompts(args: argparse.Namespace) -> Iterator[Any]:
     from transformers import AutoTokenizer
 
     from asyncrl import Prompt
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
 
     tok = AutoTokenizer.from_pretrained(str(args.model_dir))
     for i, problem in enumerate(arithmetic.problems(args.seed)):
@@ -117,7 +117,7 @@ def prompts(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def reward_fn(args: argparse.Namespace) -> Any:
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
 
     if args.reward == "digits":
         return lambda prompt, sample: sum(c.isdigit() for c in sample.text) / max(1, len(sample.text))

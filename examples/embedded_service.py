@@ -44,7 +44,7 @@ from asyncrl.aio import first_cause
 from asyncrl.engines.embedded import EngineControl
 from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from asyncrl.queues.ingest_client import RemoteQueueClient
-from asyncrl.tasks import arithmetic
+from asyncrl.testing.tasks import arithmetic
 
 log = logging.getLogger("embedded_service")
 

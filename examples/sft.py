@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks import arithmetic
+from asyncrl.testing.tasks import arithmetic
 from examples.common import Example, RewardFn, Task, encode_prompt
 
 
 def tiny_spec(hidden: int = 128, layers: int = 2, vocab: int = 32, context: int = 256, seed: int = 0) -> Any:
     """A Qwen2 shape with head size 32 (vLLM CPU supports it), GQA 2:1, tied embeddings."""
-    from asyncrl.tiny import TinyModelSpec
+    from asyncrl.testing.tiny import TinyModelSpec
 
     if hidden % 64:
         raise ValueError(f"hidden size must be a multiple of 64 (head size 32, 2 query heads per KV head), "
@@ -35,7 +35,7 @@ def build_char_model(out_dir: Path, task: Task, hidden: int, layers: int, seed: 
     Characters, not BPE merges: digits as single tokens make addition learnable by a tiny model in seconds.
     ``added_tokens`` are extra single tokens (tool-call markers, say) that decode as their text.
     """
-    from asyncrl.tiny import SPECIAL_TOKENS, build_model, build_tokenizer
+    from asyncrl.testing.tiny import SPECIAL_TOKENS, build_model, build_tokenizer
 
     texts = arithmetic.corpus() + [_plain(ex.prompt) + ex.answer for ex in task.train + task.held_out]
     alphabet = set("".join(texts))

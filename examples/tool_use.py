@@ -133,6 +133,7 @@ class GreedySampler:
 
     version = property(lambda self: self.engine.version)
     max_model_len = property(lambda self: self.engine.max_model_len)
+    vocab_size = property(lambda self: self.engine.vocab_size)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: Any, request_id: str, n: int | None = None) -> Any:
         from vllm import SamplingParams

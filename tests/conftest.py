@@ -39,8 +39,8 @@ def _earlier_garbage_collected(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from asyncrl.tasks import arithmetic
-    from asyncrl.tiny import build_tiny
+    from asyncrl.testing.tasks import arithmetic
+    from asyncrl.testing.tiny import build_tiny
 
     return build_tiny(CACHE / "models" / "tiny-arith", arithmetic.corpus())
 

@@ -12,8 +12,8 @@ import torch
 
 from asyncrl.engines.vllm_remote import RemoteEngineConfig
 from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, group_members, start_vllm_server
-from asyncrl.tasks import arithmetic
-from asyncrl.tiny import TinyModelSpec, build_tiny
+from asyncrl.testing.tasks import arithmetic
+from asyncrl.testing.tiny import TinyModelSpec, build_tiny
 from tests.support import SERVER_TEST_ARGS
 
 PROMPT = (1, 10, 11, 12, 13)

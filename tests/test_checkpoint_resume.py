@@ -201,7 +201,7 @@ async def test_resume_on_the_real_engine_publishes_the_restored_weights(vllm_eng
                                                                         tmp_path):
     from asyncrl.algorithms.logprobs import completion_logprobs
     from asyncrl.engines.weights import state_dict_for_engine
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
     from tests.support import load_hf_model
 
     train, _ = arithmetic.split(500, 0)

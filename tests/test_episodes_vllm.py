@@ -45,6 +45,10 @@ class Spy:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
     async def generate(self, prompt_ids, params, request_id, n=None):
         self.on_call(request_id)
         samples = await self.engine.generate(prompt_ids, params, request_id, n)

@@ -26,8 +26,8 @@ BF16_MEAN_ATOL = 0.05  # mean |engine - transformers| log-prob in bfloat16
 
 @pytest.fixture(scope="module")
 def gpu_model_dir(tmp_path_factory) -> Path:
-    from asyncrl.tasks import arithmetic
-    from asyncrl.tiny import TinyModelSpec, build_tiny
+    from asyncrl.testing.tasks import arithmetic
+    from asyncrl.testing.tiny import TinyModelSpec, build_tiny
 
     spec = TinyModelSpec(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=128, dtype="bfloat16")

@@ -17,7 +17,7 @@ from asyncrl import (
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.engines.vllm_local import VLLMEngine
 from asyncrl.recipes import grpo_pipeline
-from asyncrl.tasks import arithmetic
+from asyncrl.testing.tasks import arithmetic
 from tests.support import child_pids, engine_config, load_hf_model
 from tests.test_pipeline_fake import SignallingSink
 

@@ -145,6 +145,7 @@ class _Recorder:
 
     version = property(lambda self: self.engine.version)
     max_model_len = property(lambda self: self.engine.max_model_len)
+    vocab_size = property(lambda self: self.engine.vocab_size)
 
     async def generate(self, prompt_ids, params, request_id, n=None):  # type: ignore[no-untyped-def]
         self.contexts[request_id] = prompt_ids

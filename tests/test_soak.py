@@ -217,7 +217,7 @@ async def test_fake_engine_soak_long(tmp_path):
 
 
 async def vllm_soak(engine, model_dir, tokenizer, steps: int, warmup: int, ckpt_dir: Path, every: int) -> Figures:
-    from asyncrl.tasks import arithmetic
+    from asyncrl.testing.tasks import arithmetic
     from tests.support import load_hf_model
 
     def prompts():

@@ -1,8 +1,9 @@
-"""Actors: producers (generate and score), the learner (train and publish), and weight sync."""
+"""Actors: producers (generate and score), the learner (train and publish), and weight sync (``publish``: one
+publication into an engine driven by hand)."""
 
 from asyncrl.actors.learner import Learner, StepResult
 from asyncrl.actors.producer import GroupSink, Producer
 from asyncrl.actors.rewards import RewardFn
-from asyncrl.actors.weight_sync import WeightSync
+from asyncrl.actors.weight_sync import WeightSync, publish
 
-__all__ = ["GroupSink", "Learner", "Producer", "RewardFn", "StepResult", "WeightSync"]
+__all__ = ["GroupSink", "Learner", "Producer", "RewardFn", "StepResult", "WeightSync", "publish"]

@@ -168,6 +168,11 @@ class Producer:
             raise RolloutDropped(DropReason.PROMPT_TOO_LONG, f"prompt {prompt.prompt_id!r} has "
                                                              f"{len(prompt.token_ids)} tokens; the engine's context "
                                                              f"is {self.sampler.max_model_len}")
+        vocab = self.sampler.vocab_size
+        if min(prompt.token_ids) < 0 or max(prompt.token_ids) >= vocab:
+            raise RolloutDropped(DropReason.OUT_OF_VOCABULARY, f"prompt {prompt.prompt_id!r} holds a token id outside "
+                                                               f"the vocabulary of {self.sampler.name} (ids 0 to "
+                                                               f"{vocab - 1})")
 
     async def _sample_all(self, group_id: str, prompt: Prompt) -> list[Sample]:
         params = self.config.sampling

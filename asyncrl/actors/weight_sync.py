@@ -25,7 +25,8 @@ import torch
 from asyncrl.aio import settle
 from asyncrl.config import SyncConfig
 from asyncrl.engines.protocols import WeightTarget, WeightUpdate
-from asyncrl.types import SyncTiming
+from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.types import PauseMode, SyncTiming
 from asyncrl.versions import VersionClock
 
 log = logging.getLogger(__name__)
@@ -127,3 +128,17 @@ class WeightSync:
                         "sync/prepare_s": last.prepare_s, "sync/resume_s": last.resume_s,
                         "sync/total_s": last.total_s})
         return out
+
+
+async def publish(target: WeightTarget, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                  mode: PauseMode = PauseMode.KEEP, clear_cache: bool = True) -> int:
+    """Publish ``weights`` (a transformers model, or its checkpoint-format tensors) into an engine driven by hand,
+    outside a pipeline, in one call; returns the new version, the target's version + 1.
+
+    A ``WeightSync`` of its own does it, with the same guarantees: prepare, pause, load, resume (always), release;
+    a cancellation waits for a load under way and comes through as ``CancelledError``. Raises
+    ``WeightUpdateError`` (nothing applied) or ``EngineError``. One publication at a time per target: callers
+    that publish concurrently share one ``WeightSync`` instead."""
+    tensors = state_dict_for_engine(weights) if isinstance(weights, torch.nn.Module) else weights
+    sync = WeightSync(target, VersionClock(target.version), SyncConfig(mode=mode, clear_cache=clear_cache))
+    return (await sync.publish(tensors)).version

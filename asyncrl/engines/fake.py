@@ -3,7 +3,8 @@
 It plays all three engine roles and follows their pause semantics: ``abort`` cuts in-flight samples, ``keep``
 freezes them until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
 once), each with log-prob ``logprob``; token ``t`` of sample ``i`` is ``(sum(prompt) + i + t) % vocab_size``, so a
-multi-turn context changes what comes next. A token in ``stop_token_ids`` ends the sample (``stop``).
+multi-turn context changes what comes next. A token in ``stop_token_ids`` ends the sample (``stop``). A prompt id
+outside ``[0, vocab_size)`` is refused, as a real engine refuses it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class FakeEngine:
             raise PromptRejected("empty prompt")
         if len(prompt_ids) >= self._max_model_len:
             raise PromptRejected(f"prompt of {len(prompt_ids)} tokens exceeds context {self._max_model_len}")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise PromptRejected(f"prompt holds a token id outside the vocabulary of {self.vocab_size}", too_long=False)
         self.requests += 1
         count = params.n if n is None else n
         if self.token_delay_s:

@@ -57,6 +57,10 @@ class EnginePool:
         return min(m.engine.max_model_len for m in self._members)
 
     @property
+    def vocab_size(self) -> int:
+        return min(m.engine.vocab_size for m in self._members)
+
+    @property
     def live(self) -> tuple[str, ...]:
         """Names of the members in rotation."""
         return tuple(m.engine.name for m in self._members if m.alive)

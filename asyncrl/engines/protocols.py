@@ -73,6 +73,14 @@ class Sampler(Protocol):
         """Prompt + completion tokens accepted. Producers drop prompts that leave no room."""
         ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids accepted in a prompt: ``0 <= id < vocab_size`` (what the engine validates; a model may pad
+        it above its tokenizer's vocabulary). Producers drop prompts, and episode runners environment steps,
+        holding an id outside it (``DropReason.OUT_OF_VOCABULARY``) before any engine call; ``generate``
+        refuses such a prompt with ``PromptRejected``."""
+        ...
+
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
         """Sample ``n`` (default ``params.n``) completions. Called by producers, many at once; in an episode,
@@ -80,7 +88,8 @@ class Sampler(Protocol):
 
         Each sample carries per-token behaviour log-probs and version spans. Samples cut by an ``abort``
         pause come back with ``FinishReason.ABORT`` and the tokens produced so far. Cancelling the call
-        aborts its requests in the engine. A refused prompt raises ``PromptRejected``.
+        aborts its requests in the engine. A refused prompt (empty, too long, an id outside ``vocab_size``, or
+        anything else the engine validates) raises ``PromptRejected``.
         """
         ...
 

@@ -60,6 +60,10 @@ class SupervisedEngine:
     def max_model_len(self) -> int:
         return self._inner.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self._inner.vocab_size
+
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
         engine = self._inner

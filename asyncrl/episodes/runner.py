@@ -13,8 +13,9 @@ from the same context (the request waits in the paused engine, so it runs on the
 ``AbortPolicy.DROP`` a cut turn drops the group (``aborted``).
 
 Failures become counted drops (``RolloutDropped``): an environment that raises (``env_error``), overruns
-``env_timeout_s`` (``env_timeout``) or appends more than ``max_env_tokens`` ids (``env_output_too_long``), a
-tool that overruns (``tool_timeout``), a turn cut too often (``aborted``).
+``env_timeout_s`` (``env_timeout``), appends more than ``max_env_tokens`` ids (``env_output_too_long``) or an id
+outside the sampler's ``vocab_size`` (``out_of_vocabulary``, found before the context reaches the engine), a tool
+that overruns (``tool_timeout``), a turn cut too often (``aborted``).
 """
 
 from __future__ import annotations
@@ -193,6 +194,11 @@ class EpisodeRunner:
             raise RolloutDropped(DropReason.ENV_OUTPUT_TOO_LONG, f"environment step returned "
                                                                  f"{len(result.token_ids)} ids; max_env_tokens is "
                                                                  f"{limit}")
+        vocab = self.sampler.vocab_size
+        if (bad := next((t for t in result.token_ids if not 0 <= t < vocab), None)) is not None:
+            raise RolloutDropped(DropReason.OUT_OF_VOCABULARY, f"environment step returned token id {bad}, outside "
+                                                               f"the vocabulary of {self.sampler.name} (ids 0 to "
+                                                               f"{vocab - 1})")
         play.reward += result.reward
         play.tool_calls += result.tool_calls
         play.tool_errors += result.tool_errors

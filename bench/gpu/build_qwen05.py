@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from asyncrl.tasks import arithmetic
-from asyncrl.tiny import TinyModelSpec, build_tiny
+from asyncrl.testing.tasks import arithmetic
+from asyncrl.testing.tiny import TinyModelSpec, build_tiny
 
 QWEN05 = TinyModelSpec(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,

@@ -71,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(name: str, root: Path) -> Path:
-    from asyncrl.tasks import arithmetic
-    from asyncrl.tiny import TinyModelSpec, build_tiny
+    from asyncrl.testing.tasks import arithmetic
+    from asyncrl.testing.tiny import TinyModelSpec, build_tiny
 
     spec = TinyModelSpec(**SHAPES[name], max_position_embeddings=4096, tie_word_embeddings=True,
                          dtype="float32" if name == "tiny" else "bfloat16")

@@ -28,7 +28,7 @@ from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import ClosedLLM, pending_outputs_probe, quiet_shutdown
 from asyncrl.engines.vllm_local.sleep import SleepMixin
 from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
-from asyncrl.errors import EngineError, WeightUpdateError
+from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ class VLLMEngine(SleepMixin):
         # vLLM detokenises every step of every request (Python, per token, in this process, on the core the
         # worker needs); the learner needs only ids, so the text is decoded once per finished sample instead.
         self._tokenizer = llm.tokenizer
+        # vLLM's own rule: an id is in the vocabulary if the tokenizer or the model (padded above it) has it.
+        self._vocab_size = max(llm.tokenizer.max_token_id + 1, llm.model_config.get_vocab_size())
+        self._refused = _validation_error()
         self._ipc = cfg.uses_cuda_ipc()
         self._manifest = read_manifest(cfg.model)
         # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
@@ -93,6 +96,10 @@ class VLLMEngine(SleepMixin):
         return self._cfg.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
     def llm(self) -> Any:
         """The underlying ``AsyncLLM``, for callers that need vLLM-specific features."""
         return self._llm
@@ -129,7 +136,7 @@ class VLLMEngine(SleepMixin):
         logprobs: list[float] = []
         final = None
         async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
-                                                        request_id=request_id)):
+                                                        request_id=request_id), request_id):
             comp = out.outputs[0]
             if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
                 spans.add(self._version, len(comp.token_ids))
@@ -149,11 +156,15 @@ class VLLMEngine(SleepMixin):
                       finish_reason=finish_reason(self.name, final.finish_reason), version_spans=version_spans,
                       text=self._tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    async def _guard(self, stream: Any) -> Any:
-        """Re-raise vLLM's errors as ``EngineError`` when they mean the engine died."""
+    async def _guard(self, stream: Any, request_id: str) -> Any:
+        """Re-raise vLLM's errors as ours: a request its validation refused (an id outside the vocabulary...) as
+        ``PromptRejected``, errors that mean the engine died as ``EngineError``. Cancellation passes untouched."""
         try:
             async for item in stream:
                 yield item
+        except self._refused as exc:
+            raise PromptRejected(f"engine {self.name} refused request {request_id}: {exc}",
+                                 too_long="maximum model length" in str(exc)) from exc
         except Exception as exc:
             if self._closed or self._llm.errored:
                 raise EngineError(self.name, f"engine died or closed mid-request ({exc!r})") from exc
@@ -340,6 +351,16 @@ def _sampled_logprobs(engine: str, comp: Any) -> list[float]:
     if flat is not None and len(flat) == len(comp.token_ids):
         return flat
     return [step[tok].logprob for tok, step in zip(comp.token_ids, lps)]
+
+
+def _validation_error() -> type[Exception]:
+    """The class of vLLM's request validation errors: ``VLLMValidationError`` (0.32; not a ``ValueError`` there),
+    plain ``ValueError`` in older releases."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ValueError
+    return VLLMValidationError
 
 
 def _has_flat_logprobs() -> bool:

@@ -128,6 +128,7 @@ class ServerInfo:
     max_model_len: int  # from GET /v1/models
     stamps_versions: bool  # /update_weight_version exists (vLLM 0.32; absent in 0.26)
     reload_method: str  # worker method for a reload from a directory (see RELOAD_METHODS)
+    vocab_size: int  # token ids the server accepts, 0 to vocab_size - 1 (see model_vocab_size)
 
 
 async def server_info(api: ServerApi) -> ServerInfo:
@@ -144,7 +145,25 @@ async def server_info(api: ServerApi) -> ServerInfo:
             raise
         stamps = False
     return ServerInfo(max_model_len=int(served[cfg.model]["max_model_len"]), stamps_versions=stamps,
-                      reload_method=await _reload_method(api))
+                      reload_method=await _reload_method(api), vocab_size=model_vocab_size(Path(cfg.model_dir)))
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    """The ids a vLLM server on ``model_dir`` accepts: the model's vocabulary (``config.json``, padded above the
+    tokenizer's) or the tokenizer's, whichever is larger, as vLLM judges it. The server does not report it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
+    tokenizer = model_dir / "tokenizer.json"
+    if tokenizer.exists():
+        tok = json.loads(tokenizer.read_text())
+        vocab = (tok.get("model") or {}).get("vocab")  # BPE / WordPiece: token -> id; Unigram: a list, by id
+        ids = [t["id"] for t in tok.get("added_tokens", ())]
+        ids += list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if vocab else []
+        size = max([size] + [i + 1 for i in ids if isinstance(i, int)])
+    if size <= 0:
+        raise ConfigError("RemoteEngineConfig.model_dir", f"{model_dir} names no vocab_size in config.json and has no "
+                                                          f"tokenizer.json to count")
+    return size
 
 
 async def _reload_method(api: ServerApi) -> str:

@@ -124,6 +124,10 @@ class RemoteVLLMEngine:
         return self._info.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
     def config(self) -> RemoteEngineConfig:
         return self._cfg
 

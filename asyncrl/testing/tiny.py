@@ -1,12 +1,12 @@
 """Build tiny Qwen2-shaped models and BPE tokenizers locally (no hub access anywhere).
 
-Used by tests, the demo and benchmarks. The models load in both transformers and vLLM.
+Used by tests, the demo and benchmarks, and by anyone trying asyncrl without a model at hand. The models load in
+both transformers and vLLM.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,8 +96,3 @@ def build_tiny(out_dir: str | Path, corpus: Iterable[str], spec: TinyModelSpec |
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(corpus, out, vocab_size=tokenizer_vocab)
     return build_model(out, spec, vocab)
-
-
-def default_cache_dir() -> Path:
-    """Where tests and examples keep built models (``ASYNCRL_CACHE`` overrides)."""
-    return Path(os.environ.get("ASYNCRL_CACHE", Path.cwd() / ".cache" / "asyncrl"))

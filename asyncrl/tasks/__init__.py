@@ -1,1 +1,0 @@
-"""Verifiable tasks with exact reward checks (the demo task lives here)."""

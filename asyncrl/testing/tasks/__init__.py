@@ -1,0 +1,1 @@
+"""Verifiable tasks with exact reward checks: ``arithmetic``, the demo's addition task."""
