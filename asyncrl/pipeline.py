@@ -1,4 +1,4 @@
-"""One task group owning the producers, the engine watchdog and the learner.
+"""One task group owning the producers, the engine watchdog (awaiting the engine's death) and the learner.
 
 ``await Pipeline(...).run(steps)`` returns a ``RunResult`` once the learner has taken ``steps`` optimiser steps
 (``steps=None``: until the prompts run out and the queue is drained). An exception in any part cancels the
@@ -10,7 +10,6 @@ and the engine is shut down (bounded by ``PipelineConfig.shutdown_timeout_s``) u
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from asyncrl.actors.producer import Producer
 from asyncrl.aio import bounded, first_cause
 from asyncrl.config import PipelineConfig
 from asyncrl.errors import ConfigError
-from asyncrl.engines.protocols import Lifecycle, Sleeper
+from asyncrl.engines.protocols import Lifecycle, WeightTarget
 from asyncrl.episodes.runner import EpisodeMetricsHook
 from asyncrl.errors import NoProgressError
 from asyncrl.types import RolloutGroup
@@ -54,20 +53,14 @@ class RunResult:
 class Pipeline:
     """Wires producers -> queue -> learner -> (weights) -> engine, under one task group.
 
-    Every producer's sink must be its own ``RolloutSender`` of the learner's queue (or a wrapper with the same
-    ``send`` and ``close``): the pipeline closes it when that producer ends, and the queue ends once all of them
+    Every producer's sink must be its own ``RolloutSender`` of the learner's queue (or a ``GroupSink`` wrapping
+    one): the pipeline closes it (``aclose``) when that producer ends, and the queue ends once all of them
     have."""
 
     def __init__(self, engine: Lifecycle, producers: Sequence[Producer], learner: Learner,
-                 config: PipelineConfig | None = None, *, close_engine: bool = True,
-                 health_interval_s: float = 1.0) -> None:
+                 config: PipelineConfig | None = None, *, close_engine: bool = True) -> None:
         if not producers:
             raise ValueError("Pipeline needs at least one producer")
-        for p in producers:
-            close = getattr(p.sink, "close", None)
-            if not callable(close) or inspect.iscoroutinefunction(close):
-                raise ValueError(f"producer {p.name}'s sink must be a RolloutSender of the pipeline's queue "
-                                 f"(got {type(p.sink).__name__})")
         for p in producers:  # a group size the loss cannot learn from: refused here, not after a silent run
             n = p.config.sampling.n
             if n < learner.loss.min_group_size:
@@ -82,7 +75,6 @@ class Pipeline:
         self.learner = learner
         self.config = config or PipelineConfig()
         self.close_engine = close_engine  # shut the engine down when run() ends
-        self.health_interval_s = health_interval_s  # engine liveness check period
         self.result = RunResult()
 
     async def run(self, steps: int | None) -> RunResult:
@@ -122,7 +114,7 @@ class Pipeline:
         try:
             await producer.run()
         finally:  # this producer is done (or failed): the queue ends once every producer is
-            producer.sink.close()  # type: ignore[attr-defined]
+            await producer.sink.aclose()
 
     async def _sync_loop(self, producer: Producer, steps: int) -> None:
         size = self.learner.config.batch_groups
@@ -140,12 +132,12 @@ class Pipeline:
                 await sleeper.wake()
             await self.learner.report(result)
 
-    async def _sleep_engine(self) -> Sleeper | None:
+    async def _sleep_engine(self) -> WeightTarget | None:
         """Nothing generates until the next publication: free the engine's memory for the learner step, if the
-        weight target can sleep (``Sleeper``). Level 2 keeps no weights, so a step that will not publish sleeps
-        at level 1."""
+        weight target sleeps (``WeightTarget.sleep_level``). Level 2 keeps no weights, so a step that will not
+        publish sleeps at level 1."""
         target = self.learner.weight_sync.target
-        if not isinstance(target, Sleeper) or not target.sleep_level:
+        if not target.sleep_level:
             return None
         publishes = (self.learner.step + 1) % self.learner.config.sync.every == 0
         t0 = time.perf_counter()
@@ -167,13 +159,12 @@ class Pipeline:
         return await self.receiver.receive_batch(made) if made else []
 
     async def _watch_engine(self) -> None:
-        # Polling is the only signal from an engine process that dies silently.
-        while True:
-            await self.engine.check_alive()
-            await asyncio.sleep(self.health_interval_s)
+        # The engine's own death event (``Lifecycle.wait_dead``): nothing here polls.
+        raise await self.engine.wait_dead()
 
     async def _shutdown(self, wall_s: float) -> None:
         self.receiver.close()
+        await bounded(self.learner.weight_sync.aclose(), self.config.shutdown_timeout_s, "a background publication")
         self._collect(wall_s)
         await bounded(self.learner.close(), self.config.shutdown_timeout_s, "the learner's thread")
         if self.close_engine:

@@ -114,6 +114,9 @@ class NoOpLoss:
         param = next(model.parameters())
         return LossOutput(loss=(param * 0.0).sum(), metrics={}, num_tokens=sum(g.num_tokens for g in groups))
 
+    def inert(self, group: Any) -> bool:
+        return False  # the role's default (torch is imported only once a pipeline runs, so no subclass here)
+
 
 async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) -> tuple[int, float, dict]:
     """Run the whole pipeline over ``prompts``. Returns (tokens, seconds, queue figures)."""

@@ -78,8 +78,8 @@ class StampedSender:
         self.stored_at[group.group_id] = time.monotonic()
         return stored
 
-    def close(self) -> None:
-        self.inner.close()
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
@@ -106,7 +106,7 @@ async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
         try:
             await producer.run()
         finally:
-            producer.sink.close()
+            await producer.sink.aclose()
 
     async def consume() -> None:
         for _ in range(count // args.batch):

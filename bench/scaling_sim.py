@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from asyncrl.engines.protocols import Engine
 from bench import common
 
 
@@ -80,7 +81,7 @@ class ServerActor:
         return size
 
 
-class ActorEngine:
+class ActorEngine(Engine):
     """The three engine roles over one ``ServerActor``, as a pool member."""
 
     def __init__(self, actor: Any, name: str) -> None:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.producer import Producer
 from asyncrl.actors.weight_sync import WeightSync
-from asyncrl.algorithms.losses import LossOutput
+from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.config import LearnerConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.embedded import ControlError, EngineControl, RemoteControlEngine
@@ -89,7 +89,7 @@ async def test_detach_resumes_a_pause_the_learner_never_releases() -> None:
         assert await control.detach() is None  # idempotent
 
 
-class ZeroLoss:
+class ZeroLoss(Loss):
     """A loss with a zero gradient: the test is about what crosses the wire, not about learning."""
 
     min_group_size = 1
@@ -157,3 +157,37 @@ async def test_the_learner_closing_its_queue_ends_the_service_producer_then_its_
     assert engine.calls[-2:] == ["resume", "close"] and engine.closed
     assert engine.released == engine.prepared == list(range(1, versions + 1))  # nothing left staged
     assert list(staging.iterdir()) == [] and not control.paused
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cut", ["during_the_load", "during_the_pause"])
+async def test_a_cancelled_publication_says_whether_it_landed(cut: str, model_dir: Path, staging: Path) -> None:
+    """A stop's cancellation arriving during the load waits for it, and the load commits: the caller gets
+    ``CancelledError``, and the outcome says the version moved, counted as published (it used to count as a
+    failure although the service and the clock serve the new version). Cut during the pause, nothing lands."""
+    engine = CheckedFakeEngine(read_manifest(model_dir), gate=asyncio.Event())
+    pausing, held = asyncio.Event(), asyncio.Event()
+
+    async def held_pause(mode: PauseMode, clear_cache: bool) -> None:
+        pausing.set()
+        await held.wait()
+
+    if cut == "during_the_pause":
+        engine.pause = held_pause  # type: ignore[method-assign]
+    async with control_server(engine) as (url, control):
+        remote = await RemoteControlEngine.connect(url, TOKEN, model_dir, staging_dir=staging, ready_timeout_s=WAIT_S)
+        sync = WeightSync(remote, VersionClock(remote.version), SyncConfig(mode="keep"))
+        publishing = asyncio.create_task(sync.publish(weights(seed=1)))
+        started, gate = (engine.loading, engine.gate) if cut == "during_the_load" else (pausing, held)
+        await asyncio.wait_for(started.wait(), WAIT_S)
+        publishing.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(publishing, WAIT_S)
+        landed = cut == "during_the_load"
+        assert sync.outcome is not None and sync.outcome.version == 1 and sync.outcome.landed is landed
+        assert isinstance(sync.outcome.error, asyncio.CancelledError)
+        assert (sync.clock.served, engine.version, remote.version) == ((1, 1, 1) if landed else (0, 0, 0))
+        assert (sync.counters.published, sync.counters.failures) == ((1, 0) if landed else (0, 1))
+        assert control.counters["weights_200"] == int(landed) and not control.paused
+        await remote.close()

@@ -3,6 +3,7 @@ fails part-way, and a learner that fails during a sync."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -61,6 +62,47 @@ async def test_killed_engine_core_stops_the_run_with_an_error_naming_it(tiny_mod
     detected_s = time.monotonic() - killed_at[0]
     assert detected_s < 5, f"death detected after {detected_s:.1f}s"
     assert "died" in str(err.value)
+    _assert_no_children(before)
+
+
+async def test_a_killed_engine_core_is_noticed_by_its_death_event_not_by_polling(tiny_model_dir, tokenizer):
+    """The pipeline awaits the engine's death event (set when vLLM's engine-core process exits): the run ends
+    within the same bound as before, and nothing polled ``check_alive`` (the watchdog used to, every second)."""
+    before = child_pids()
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16), name="engine-B")
+    probes, check_alive = [], engine.check_alive
+
+    async def counted_check_alive() -> None:
+        probes.append(time.monotonic())
+        await check_alive()
+
+    engine.check_alive = counted_check_alive  # type: ignore[method-assign]
+    pipe = build(engine, tiny_model_dir, tokenizer, config(), close_engine=True)
+    killed_at: list[float] = []
+    kill_after_step(pipe, 1, killed_at, exclude=before)
+    with pytest.raises(EngineError, match="engine-B"):
+        await pipe.run(steps=1000)
+    detected_s = time.monotonic() - killed_at[0]
+    assert detected_s < 5, f"death detected after {detected_s:.1f}s"
+    assert probes == [], "the pipeline polled the engine's health"
+    _assert_no_children(before)
+
+
+async def test_an_idle_engine_whose_core_dies_says_so_at_once(tiny_model_dir):
+    """No request in flight, so no stream fails: only the death event tells. ``wait_dead`` returns within
+    seconds of the kill, and a control call then fails at once (vLLM would never answer it)."""
+    before = child_pids()
+    engine = await VLLMEngine.start(engine_config(tiny_model_dir), name="engine-C")
+    try:
+        dead = asyncio.create_task(engine.wait_dead())
+        [pid] = engine_core_pids(before)
+        os.kill(pid, signal.SIGKILL)
+        error = await asyncio.wait_for(dead, 10)
+        assert isinstance(error, EngineError) and "engine-C" in str(error) and "died" in str(error)
+        with pytest.raises(EngineError, match="died"):
+            await asyncio.wait_for(engine.pause(PauseMode.KEEP, False), 1)
+    finally:
+        await engine.close()
     _assert_no_children(before)
 
 

@@ -16,7 +16,7 @@ from asyncrl import (
     ProducerConfig, Prompt, QueueClosed, QueueConfig, SamplingConfig, SyncConfig, VersionClock,
 )
 from asyncrl.actors.producer import Producer
-from asyncrl.algorithms.losses import LossOutput
+from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.protocols import WeightUpdate
@@ -34,7 +34,7 @@ def group(gid: str, version: int) -> RolloutGroup:
     return RolloutGroup(gid, Prompt(gid, (1,)), (r,))
 
 
-class RecordingLoss:
+class RecordingLoss(Loss):
     """A loss that records what reached it (and optionally waits on a gate, to make a slow learner)."""
 
     min_group_size = 1
@@ -168,8 +168,8 @@ class SignallingSink:
             self.full.set()
         return await self.sender.send(g)
 
-    def close(self) -> None:
-        self.sender.close()
+    async def aclose(self) -> None:
+        await self.sender.aclose()
 
 
 @pytest.mark.parametrize("bad, reason", [

@@ -11,7 +11,9 @@ import pytest_asyncio
 
 from asyncrl import PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig, LearnerConfig
 from asyncrl import VersionClock, WeightSync
-from asyncrl.engines.protocols import Sleeper
+from asyncrl.engines.pool import EnginePool
+from asyncrl.engines.protocols import WeightTarget
+from asyncrl.engines.supervisor import SupervisedEngine
 from asyncrl.engines.vllm_local import VLLMEngine
 from asyncrl.engines.vllm_local.config import compilation_config, engine_args
 from asyncrl.engines.weights import state_dict_for_engine
@@ -67,7 +69,7 @@ async def test_engine_without_sleep_mode_refuses_to_sleep(tiny_model_dir):
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM needed: refused before anything is called
     engine._cfg, engine.name = engine_config(tiny_model_dir), "awake"
     engine._init_sleep()
-    assert isinstance(engine, Sleeper) and engine.sleep_level == 0
+    assert isinstance(engine, WeightTarget) and engine.sleep_level == 0
     from asyncrl.errors import EngineError
 
     with pytest.raises(EngineError, match="sleep mode"):
@@ -124,3 +126,28 @@ async def test_synchronous_pipeline_sleeps_the_engine_during_each_step(sleepy, t
     assert sleepy.sleep_counters.sleeps == sleeps + 3 and result.sleep_s > 0
     assert not sleepy.asleep, "the step without a publication woke it with the old weights"
     assert result.unaccounted == 0
+
+
+@MODULE_LOOP
+@pytest.mark.parametrize("wrapper", ["pool", "supervised"])
+async def test_synchronous_pipeline_sleeps_an_engine_behind_a_pool_or_a_supervisor(sleepy, tiny_model_dir, tokenizer,
+                                                                                   wrapper):
+    """The pool and the supervisor forward sleep to the engine they hold (they used to play no sleep role, so
+    the synchronous pipeline over them silently stopped sleeping)."""
+    async def no_restart():
+        raise AssertionError("the engine did not die: nothing to restart")
+
+    target = EnginePool([sleepy]) if wrapper == "pool" else SupervisedEngine(sleepy, no_restart)
+    assert target.sleep_level == sleepy.sleep_level == 2
+    config = PipelineConfig(
+        producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2),
+        queue=QueueConfig(capacity=2, max_staleness=0),
+        learner=LearnerConfig(batch_groups=2, lr=1e-4, skip_inert_groups=False, sync=SyncConfig(every=2)),
+    )
+    pipe = grpo_pipeline(target, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), reward, config,
+                         pad_id=tokenizer.pad_token_id, close_engine=False)
+    start, sleeps = sleepy.version, sleepy.sleep_counters.sleeps
+    result = await pipe.run_synchronous(steps=2)
+    assert result.steps == 2 and sleepy.version == target.version == start + 1
+    assert sleepy.sleep_counters.sleeps == sleeps + 2 and result.sleep_s > 0
+    assert not sleepy.asleep and result.unaccounted == 0

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from asyncrl import LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, SamplingConfig
-from asyncrl.algorithms.losses import LossOutput
+from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.checkpoint import CheckpointConfig, Checkpointer, checkpoint_hook, latest
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.pipeline import Pipeline
@@ -177,7 +177,7 @@ def save_figures(fig: Figures) -> None:
 # ---- FakeEngine at full speed --------------------------------------------------------------------------------
 
 
-class SmallLoss:
+class SmallLoss(Loss):
     min_group_size = 1
 
     def compute(self, model, groups):

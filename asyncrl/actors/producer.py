@@ -46,6 +46,12 @@ class GroupSink(Protocol):
         ``QueueClosed`` once the receiving side is closed."""
         ...
 
+    async def aclose(self) -> None:
+        """This producer sends no more (idempotent). The pipeline calls it when the producer ends: a queue's
+        sending end closes (the queue ends once every one has), a remote client tells its server it is leaving.
+        A wrapper must forward it, or the queue never ends."""
+        ...
+
 
 @dataclass(slots=True)
 class ProducerCounters:

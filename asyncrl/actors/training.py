@@ -19,7 +19,7 @@ from torch import Tensor
 
 from asyncrl.algorithms import varlen
 from asyncrl.algorithms.head import compiled_head
-from asyncrl.algorithms.losses import Loss, SkipsInertGroups
+from asyncrl.algorithms.losses import Loss
 from asyncrl.algorithms.rows import packed_scoring
 from asyncrl.config import ConfigError, LearnerConfig
 from asyncrl.engines.weights import state_dict_for_engine
@@ -81,7 +81,7 @@ def attention_kernels() -> contextlib.AbstractContextManager[object]:
 
 
 def is_inert(loss: Loss, config: LearnerConfig, group: RolloutGroup) -> bool:
-    return config.skip_inert_groups and isinstance(loss, SkipsInertGroups) and loss.inert(group)
+    return config.skip_inert_groups and loss.inert(group)
 
 
 def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, total_tokens: int,

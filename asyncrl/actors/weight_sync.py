@@ -6,7 +6,9 @@ The guarantees, whatever happens and whenever the caller is cancelled:
   failed or cancelled publication never leaves generation paused;
 - the load and the version commit form one uncancellable step: a cancellation that arrives during the load
   waits for it (milliseconds to a second), so the ``VersionClock`` and the engine never disagree;
-- a cancellation is always re-raised as ``CancelledError``, never wrapped.
+- a cancellation is always re-raised as ``CancelledError``, never wrapped; whether the cut-short publication
+  landed anyway (a cancellation that arrived during the load) is in ``WeightSync.outcome``, and it is counted
+  as published or failed accordingly.
 
 Preparing (validation and staging) and a ``wait`` pause stay cancellable: nothing is applied yet.
 """
@@ -34,9 +36,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SyncCounters:
-    published: int = 0  # successful publications
-    failures: int = 0  # publications that failed or were cancelled
-    paused_s: float = 0.0  # total time generation was paused for the successful ones (seconds)
+    published: int = 0  # publications that landed (the target serves their version), cancelled ones included
+    failures: int = 0  # publications that failed or were cancelled before their load committed
+    paused_s: float = 0.0  # total time generation was paused for the ones that returned (seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationOutcome:
+    """How a publication ended. ``landed``: its load committed, so the target and the clock serve ``version``;
+    that holds for a publication whose caller was cancelled during the load, as well as for one that
+    returned. ``error``: what it raised (``CancelledError`` included), None when it returned."""
+
+    version: int
+    landed: bool
+    error: BaseException | None = None
 
 
 class WeightSync:
@@ -50,6 +63,8 @@ class WeightSync:
         self._lock = asyncio.Lock()
         self.history: deque[SyncTiming] = deque(maxlen=1000)  # recent successful publications
         self.counters = SyncCounters()
+        self.outcome: PublicationOutcome | None = None  # of the last publication that ended
+        self._started: set[asyncio.Task[SyncTiming]] = set()  # background publications, owned until done
 
     async def publish(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> SyncTiming:
         """Make ``tensors`` the target's weights as ``version`` (default: the served version + 1), after any
@@ -74,17 +89,34 @@ class WeightSync:
                 return await self._begun(update)
 
         task = asyncio.create_task(run(), name=f"publish-v{update.version}")
+        self._started.add(task)
+        task.add_done_callback(self._started.discard)
         task.add_done_callback(lambda _: self.clock.abandon(update.version))  # cancelled before it ran
         return task
+
+    async def aclose(self) -> None:
+        """Cancel the background publications still running and wait for them (each resumes the target and
+        lands or not, as ``outcome`` then says). Their errors belong to whoever awaits their task."""
+        tasks = list(self._started)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _begun(self, update: WeightUpdate) -> SyncTiming:
         try:
             timing = await self._publish(update)
-        except BaseException:
-            self.counters.failures += 1
+        except BaseException as exc:
+            landed = self.clock.served == update.version  # committed before the failure or cancellation
+            self.outcome = PublicationOutcome(update.version, landed, exc)
+            if landed:
+                self.counters.published += 1
+                log.info("v%d landed, then its publication raised %r", update.version, exc)
+            else:
+                self.counters.failures += 1
             raise
         finally:
             self.clock.abandon(update.version)  # no-op once committed
+        self.outcome = PublicationOutcome(update.version, True)
         self.history.append(timing)
         self.counters.published += 1
         self.counters.paused_s += timing.total_s

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class LossOutput:
 
 
 class Loss(Protocol):
-    """A training objective over rollout groups."""
+    """A training objective over rollout groups. Subclass it to inherit the defaults (``inert``)."""
 
     # Samples per group below which the loss has nothing to learn from (GRPO: 2, a baseline needs company).
     # The pipeline refuses a ``SamplingConfig.n`` below it.
@@ -127,14 +127,10 @@ class Loss(Protocol):
         per micro-batch; a micro-batch holds whole groups, so group baselines are never split."""
         ...
 
-
-@runtime_checkable
-class SkipsInertGroups(Protocol):
-    """Losses that can tell, from rewards alone, that a group adds nothing to the gradient."""
-
     def inert(self, group: RolloutGroup) -> bool:
-        """True when every term of this group's loss has zero gradient, so scoring it can be skipped."""
-        ...
+        """True when every term of this group's loss has zero gradient, so the learner may skip scoring it
+        (``LearnerConfig.skip_inert_groups``). Default: False, every group is scored."""
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -291,7 +287,7 @@ def _check_shapes(
 # ------------------------------------------------------------------------------------------------ GRPOLoss
 
 
-class GRPOLoss:
+class GRPOLoss(Loss):
     """GRPO / RLOO / Dr. GRPO advantages under the decoupled objective; implements ``Loss``."""
 
     min_group_size = 2  # a single sample has no group baseline: its advantage is 0 and nothing is learned

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.aio import settle
 from asyncrl.checkpoint.files import TMP_PREFIX, fsync_dir, move_into_place, sha256, write_file
 from asyncrl.checkpoint.rng import rng_state, set_rng_state
 from asyncrl.counters import GroupCounters
@@ -131,7 +132,8 @@ class CheckpointCounters:
 class Checkpointer:
     """Writes checkpoints of a learner into ``config.dir`` and prunes old ones.
 
-    Use as ``async with`` so a write still in flight is finished (and its error raised) at the end.
+    Use as ``async with``: the block owns the background write, which is finished (and its error raised) at
+    the end, even when the block is left by a cancellation (a write in a thread cannot be cut short safely).
     """
 
     def __init__(self, config: CheckpointConfig) -> None:
@@ -148,7 +150,7 @@ class Checkpointer:
         if self._pending is None:
             return
         try:
-            await self.wait()
+            await settle(self.wait(), "the checkpoint write in flight")
         except Exception:
             if exc is None:
                 raise

@@ -97,6 +97,7 @@ class FSDPBackend:
         self.staging_dir = Path(staging_dir) if staging_dir else None
         self.channel = ControlChannel(ctx)
         self.stopped = False
+        self._handed_out: dict[int, StagedTensors] = {}  # staged publications not released yet, by id
         prepare_model(model, config)  # on every rank: a recomputed block gathers its shards again, a collective
 
     # -- rank 0: the learner's backend -------------------------------------------------------------------
@@ -113,18 +114,20 @@ class FSDPBackend:
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
 
-    def publication_state(self) -> Mapping[str, torch.Tensor]:
+    def publication_state(self) -> StagedTensors:
         with self._command():
             self.channel.scatter([Gather(self.bucket_bytes)] * self.ctx.world_size)
-            return guarded(self.ctx, "gathering weights", lambda: stage_buckets(
+            staged = guarded(self.ctx, "gathering weights", lambda: stage_buckets(
                 full_buckets(self.model, self.bucket_bytes), self.publish_dtype, self.staging_dir))
+        self._handed_out[id(staged)] = staged
+        return staged
 
-    def snapshot(self) -> Mapping[str, torch.Tensor]:
+    def snapshot(self) -> StagedTensors:
         return self.publication_state()  # staged files do not change with later steps
 
     def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        if isinstance(tensors, StagedTensors):
-            tensors.release()
+        """Let go of a staging this backend handed out (every publication is one; released once)."""
+        self._handed_out.pop(id(tensors)).release()
 
     def call(self, fn: Callable[[FSDPBackend], object]) -> object:
         """Run ``fn(backend)`` on every rank (a module-level function); returns rank 0's result."""

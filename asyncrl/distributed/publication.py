@@ -115,10 +115,10 @@ def _owners(path: Path) -> dict[str, Path]:
     return owners
 
 
-class PrestagedTarget:
-    """A ``WeightTarget`` in front of an engine or ``EnginePool`` that lets it adopt ``StagedTensors`` as already
-    staged, after checking names, shapes and dtype against the served model's manifest (no tensor data is
-    read). Any other update passes through untouched."""
+class PrestagedTarget(WeightTarget):
+    """A ``WeightTarget`` in front of an engine or ``EnginePool`` that lets it adopt ``StagedTensors`` (what
+    ``FSDPBackend`` publishes) as already staged, after checking names, shapes and dtype against the served
+    model's manifest (no tensor data is read). It publishes nothing else: other updates are refused."""
 
     def __init__(self, target: WeightTarget, model_dir: str | Path) -> None:
         self.target = target
@@ -131,10 +131,11 @@ class PrestagedTarget:
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         tensors = update.tensors
-        if isinstance(tensors, StagedTensors) and update.staged is None:
-            check_specs(tensors.specs, self.manifest)
-            update = replace(update, staged=tensors.staged)
-        return await self.target.prepare(update)
+        if not isinstance(tensors, StagedTensors):  # input validation: this target's one kind of update
+            raise WeightUpdateError(f"{self.name}: PrestagedTarget publishes StagedTensors (a sharded learner's "
+                                    f"staging), got {type(tensors).__name__}")
+        check_specs(tensors.specs, self.manifest)
+        return await self.target.prepare(replace(update, staged=tensors.staged))
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         await self.target.pause(mode, clear_cache)
@@ -147,6 +148,16 @@ class PrestagedTarget:
 
     def release(self, update: WeightUpdate) -> None:
         self.target.release(update)
+
+    @property
+    def sleep_level(self) -> int:
+        return self.target.sleep_level
+
+    async def sleep(self, level: int | None = None) -> None:
+        await self.target.sleep(level)
+
+    async def wake(self) -> None:
+        await self.target.wake()
 
 
 def check_specs(specs: Mapping[str, ParamSpec], manifest: Mapping[str, ParamSpec]) -> None:

@@ -14,11 +14,12 @@ import functools
 from collections.abc import Mapping
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.protocols import EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.death import Death
+from asyncrl.engines.protocols import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     def __init__(self, *, token_delay_s: float = 0.0, max_model_len: int = 256, logprob: float = -1.0,
                  vocab_size: int = 100, name: str = "fake") -> None:
         self.name = name
@@ -34,7 +35,7 @@ class FakeEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self.weights: Mapping[str, object] = {}
-        self.alive = True
+        self._death = Death()
         self.closed = False
         self.requests = 0  # generate calls served
         self.token_produced = asyncio.Event()  # set once any token has been sampled (tests wait on it)
@@ -42,6 +43,18 @@ class FakeEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def alive(self) -> bool:
+        """Set to False to kill the engine: every call fails from then on, and ``wait_dead`` returns."""
+        return not self._death.declared
+
+    @alive.setter
+    def alive(self, alive: bool) -> None:
+        if alive and self._death.declared:
+            raise ValueError("a dead fake engine stays dead")
+        if not alive:
+            self._death.declare(EngineError(self.name, "fake engine marked dead"))
 
     @property
     def max_model_len(self) -> int:
@@ -140,11 +153,14 @@ class FakeEngine:
         self._running.set()
 
     def _check_alive(self) -> None:
-        if not self.alive:
-            raise EngineError(self.name, "fake engine marked dead")
+        if self._death.error is not None:
+            raise self._death.error
 
     async def check_alive(self) -> None:
         self._check_alive()
+
+    async def wait_dead(self) -> EngineError:
+        return await self._death.wait()
 
     async def close(self) -> None:
         self.closed = True

@@ -31,7 +31,7 @@ class _Member:
     alive: bool = True  # False once taken out of rotation
 
 
-class EnginePool:
+class EnginePool(Engine):
     """``Engine`` over N engines (e.g. ``RemoteVLLMEngine``s, one per server). Owns them: ``close`` closes all."""
 
     def __init__(self, engines: Sequence[Engine], *, drop_dead: bool = False, name: str = "pool") -> None:
@@ -176,6 +176,22 @@ class EnginePool:
         for member, own in self._prepared.pop(update.version, []):
             member.engine.release(own)
 
+    # -- sleep -----------------------------------------------------------------------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        """The deepest level a live member sleeps at; 0 when none sleeps."""
+        return max(m.engine.sleep_level for m in self._live_or_all())
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Every live member that sleeps does so, concurrently (at ``level``, or each at its own)."""
+        failures = await self._on_all(lambda m: m.engine.sleep(level) if m.engine.sleep_level else _nothing())
+        self._raise_failures("sleep", failures)
+
+    async def wake(self) -> None:
+        failures = await self._on_all(lambda m: m.engine.wake())
+        self._raise_failures("wake", failures)
+
     async def _on_all(self, op: Callable[..., Awaitable[None]], *,
                       failure_means_dead: bool = False) -> list[tuple[_Member, BaseException]]:
         """Run ``op(member)`` on every live member concurrently; every member runs to the end whatever the others
@@ -209,6 +225,25 @@ class EnginePool:
         failures = await self._on_all(lambda m: m.engine.check_alive(), failure_means_dead=True)
         self._raise_failures("health check", failures)
 
+    async def wait_dead(self) -> EngineError:
+        """Return once a live member dies (without ``drop_dead``: an error naming it) or, with ``drop_dead``,
+        once the last one has (each death before it takes that member out of rotation)."""
+        while True:
+            live = [m for m in self._members if m.alive]
+            if not live:
+                return EngineError(self.name, "every engine stopped answering")
+            waits = {asyncio.ensure_future(m.engine.wait_dead()): m for m in live}
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            for w in done:
+                member, error = waits[w], w.result()
+                if not self._drop_dead:
+                    return EngineError(member.engine.name, f"{self.name}: member died: {error}")
+                self._drop(member, error)
+
     async def close(self) -> None:
         results = await asyncio.gather(*(m.engine.close() for m in self._members), return_exceptions=True)
         for member, result in zip(self._members, results, strict=True):
@@ -217,6 +252,10 @@ class EnginePool:
 
     def _live_or_all(self) -> list[_Member]:
         return [m for m in self._members if m.alive] or self._members
+
+
+async def _nothing() -> None:
+    pass
 
 
 def _names(failures: list[tuple[_Member, BaseException]]) -> list[str]:

@@ -1,8 +1,12 @@
 """The narrow roles the rest of asyncrl talks to, one Protocol each.
 
 - ``Sampler`` (producers): generate completions, tagged with the weight version that produced each token.
-- ``WeightTarget`` (the learner's ``WeightSync``): prepare an update, pause, load, resume.
-- ``Lifecycle`` (the pipeline): is it alive, close it.
+- ``WeightTarget`` (the learner's ``WeightSync``): prepare an update, pause, load, resume; and, optionally,
+  sleep while a colocated learner trains (the defaults never sleep).
+- ``Lifecycle`` (the pipeline): is it alive, wait for its death, close it.
+
+Optional behaviour is a documented no-op default on the role, never probed: an implementation subclasses the
+role (``class FakeEngine(Engine)``) to inherit the defaults, and callers just call.
 
 An engine plays whichever roles it can: ``VLLMEngine`` (vLLM in this process), ``RemoteVLLMEngine`` (a vLLM
 server over HTTP), ``EnginePool`` and ``SupervisedEngine`` play all three; ``RemoteControlEngine`` (an engine
@@ -12,6 +16,7 @@ embedded in another service) is a weight target with a lifecycle and never sampl
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
 
     from asyncrl.engines.weights import StagedWeights
 
-__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "Sleeper", "StagedInEngine",
+__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine",
            "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
 
 
@@ -131,6 +136,23 @@ class WeightTarget(Protocol):
         that loaded it keeps its own reference to the staged weights)."""
         ...
 
+    # Sleeping: freeing accelerator memory while a learner sharing the device trains (``VLLMEngine`` with
+    # ``VLLMEngineConfig.sleep``; ``EnginePool`` and ``SupervisedEngine`` forward it). The synchronous pipeline
+    # drives it: ``sleep`` after a batch is generated; the publication that follows wakes it (``load`` wakes the
+    # weights, ``resume`` the rest); ``wake`` after a step that published nothing. The defaults never sleep.
+
+    @property
+    def sleep_level(self) -> int:
+        """1 (a host copy of the weights is kept) or 2 (nothing kept: only an update wakes it); 0 (the
+        default): never sleeps, and the pipeline does not call ``sleep``."""
+        return 0
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Pause and free memory at ``level`` (default ``sleep_level``). Default: nothing to free."""
+
+    async def wake(self) -> None:
+        """Wake without an update, with the weights it slept with. No-op when awake (always, by default)."""
+
 
 @runtime_checkable
 class Lifecycle(Protocol):
@@ -139,32 +161,18 @@ class Lifecycle(Protocol):
     name: str
 
     async def check_alive(self) -> None:
-        """Raise ``EngineError`` if the engine (or its process) is gone. Polled by the pipeline's watchdog."""
+        """Raise ``EngineError`` if the engine (or its process) is gone, as far as is known now."""
         ...
+
+    async def wait_dead(self) -> EngineError:
+        """Return (not raise), once the engine has died or been closed, the ``EngineError`` saying so. The
+        pipeline awaits it for the whole run: it must wait on the engine's own signal (see ``engines.death``),
+        not poll. Default: the engine gives no such signal, and this never returns."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         """Shut down and release processes and staged files. Idempotent."""
-        ...
-
-
-@runtime_checkable
-class Sleeper(Protocol):
-    """A weight target that can free its accelerator memory while a learner sharing the device trains
-    (``VLLMEngine`` with ``VLLMEngineConfig.sleep``). The synchronous pipeline drives it: ``sleep`` after a batch
-    is generated; the publication that follows wakes it (``load`` wakes the weights, ``resume`` the rest);
-    ``wake`` after a step that published nothing."""
-
-    @property
-    def sleep_level(self) -> int:
-        """1 (a host copy of the weights is kept) or 2 (nothing kept: only an update wakes it); 0: never sleeps."""
-        ...
-
-    async def sleep(self, level: int | None = None) -> None:
-        """Pause and free memory at ``level`` (default ``sleep_level``)."""
-        ...
-
-    async def wake(self) -> None:
-        """Wake without an update, with the weights it slept with. No-op when awake."""
         ...
 
 

@@ -1,7 +1,7 @@
 """An Engine wrapper that restarts a dead engine and brings it back to the last published weights.
 
 Without it, a dead engine stops the pipeline with an ``EngineError`` naming it (the pipeline's watchdog
-notices within its health interval). With it, the first caller to see the death starts a replacement from
+awaits the engine's death event). With it, that event starts the restart too (``wait_dead``). With it, the first caller to see the death starts a replacement from
 ``factory``, reloads the last successful ``WeightUpdate`` (so the version and weights are what the learner
 last published), and retries the failed call once. Requests that were in flight on the dead engine are
 sampled again on the new one, so their groups are not lost.
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 EngineFactory = Callable[[], Awaitable[Engine]]
 
 
-class SupervisedEngine:
+class SupervisedEngine(Engine):
     def __init__(self, inner: Engine, factory: EngineFactory, *, max_restarts: int = 1,
                  close_timeout_s: float = 15.0) -> None:
         if max_restarts < 0:
@@ -100,8 +100,30 @@ class SupervisedEngine:
         prepared_on, _ = self._copies.pop(update.version, (self._inner, None))
         prepared_on.release(update)
 
+    @property
+    def sleep_level(self) -> int:
+        return self._inner.sleep_level
+
+    async def sleep(self, level: int | None = None) -> None:
+        # A replacement starts awake: it is put to sleep like the engine it replaced.
+        await self._with_recovery(lambda e: e.sleep(level))
+
+    async def wake(self) -> None:
+        await self._with_recovery(lambda e: e.wake())
+
     async def check_alive(self) -> None:
         await self._with_recovery(lambda e: e.check_alive())
+
+    async def wait_dead(self) -> EngineError:
+        """Restart the engine each time it dies (the death event of the one in charge is awaited); return once
+        that fails: the budget is spent, or the supervisor was closed."""
+        while True:
+            engine = self._inner
+            await engine.wait_dead()
+            try:
+                await self._recover(engine)
+            except EngineError as exc:
+                return exc
 
     async def _with_recovery(self, call: Callable[[Engine], Awaitable[None]]) -> None:
         engine = self._inner

@@ -115,6 +115,10 @@ class RemoteQueueClient:
         finally:
             await self._http.close()
 
+    async def aclose(self) -> None:
+        """``close``, as a ``GroupSink``."""
+        await self.close()
+
     async def __aenter__(self) -> RemoteQueueClient:
         return self
 

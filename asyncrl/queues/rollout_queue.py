@@ -205,6 +205,10 @@ class RolloutSender:
             if self._state.open_senders == 0:
                 self._state.arrivals.notify_all()
 
+    async def aclose(self) -> None:
+        """``close`` for a ``GroupSink``'s caller (nothing to wait for)."""
+        self.close()
+
     def __enter__(self) -> RolloutSender:
         return self
 

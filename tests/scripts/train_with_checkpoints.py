@@ -29,7 +29,7 @@ import torch
 from asyncrl import (
     LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, RewardExecution, SamplingConfig,
 )
-from asyncrl.algorithms.losses import LossOutput
+from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.checkpoint import CheckpointConfig, Checkpointer, latest, resume_pipeline
 from asyncrl.engines.fake import FakeEngine
 
@@ -56,7 +56,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class RegressionLoss:
+class RegressionLoss(Loss):
     """Predict each rollout's reward from its prompt tokens; a little noise makes the weights depend on the
     torch RNG (so restoring it matters). Records the groups of the current step."""
 

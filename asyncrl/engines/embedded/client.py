@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.engines.embedded.server import CONTROL_PREFIX
-from asyncrl.engines.protocols import StagedInEngine, WeightUpdate
+from asyncrl.engines.protocols import Lifecycle, StagedInEngine, WeightTarget, WeightUpdate
 from asyncrl.engines.weights import manifest_dtype, read_manifest, staging_root, validate_and_stage
 from asyncrl.errors import ConfigError, EngineError, WeightUpdateError
 from asyncrl.http.client import JSONClient, TransportError
@@ -42,7 +42,7 @@ class ControlError(EngineError):
         self.status = status
 
 
-class RemoteControlEngine:
+class RemoteControlEngine(WeightTarget, Lifecycle):
     """``WeightTarget`` + ``Lifecycle`` of an engine embedded in another process, over HTTP.
 
     ``version`` is the engine's as of the last control call (``refresh`` reads it again)."""

@@ -86,7 +86,8 @@ class EngineControl:
         self._engine: Engine | None = None
         self._absent = "engine not started yet"  # the 503 while no engine is attached
         self._lock = asyncio.Lock()  # one control call at a time
-        self._lease: asyncio.Task[None] | None = None
+        self._lease: asyncio.Task[None] | None = None  # the current lease
+        self._leases: set[asyncio.Task[None]] = set()  # every lease task not finished yet, awaited by detach
         self._unpaused = asyncio.Event()  # clear while a pause is held
         self._unpaused.set()
         self._prepared: WeightUpdate | None = None  # what ``prepare`` readied for the next load
@@ -134,6 +135,7 @@ class EngineControl:
             self._release_prepared()
             self._engine = None
             self._absent = "engine closed: the service is shutting down its rollouts"
+        await asyncio.gather(*self._leases, return_exceptions=True)  # cancelled above: their ends, awaited
         return engine
 
     @contextlib.asynccontextmanager
@@ -148,11 +150,10 @@ class EngineControl:
 
     async def close(self) -> None:
         """Detach without waiting: a held pause is resumed now, a prepared update released. Idempotent."""
-        lease = self._lease
         await self.detach(release_timeout_s=0)
-        if lease is not None:
+        for lease in list(self._leases):  # started after a detach (by a call that was already past the lock)
             lease.cancel()
-            await asyncio.gather(lease, return_exceptions=True)
+        await asyncio.gather(*self._leases, return_exceptions=True)
 
     def routes(self, prefix: str = CONTROL_PREFIX) -> list[web.RouteDef]:
         prefix = prefix.rstrip("/")
@@ -288,6 +289,8 @@ class EngineControl:
         self._cancel_lease()
         if math.isfinite(self.max_pause_s):
             self._lease = asyncio.create_task(self._expire(engine), name="asyncrl-pause-lease")
+            self._leases.add(self._lease)
+            self._lease.add_done_callback(self._leases.discard)
 
     def _cancel_lease(self) -> None:
         if self._lease is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing.connection
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,11 +23,18 @@ from typing import Any
 from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, restore_good_weights, stamped_spans
-from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, request_seed
+from asyncrl.engines.death import Death
+from asyncrl.engines.protocols import Engine, StagedInEngine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, engine_args
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
-from asyncrl.engines.vllm_local.llm_internals import ClosedLLM, pending_outputs_probe, quiet_shutdown
+from asyncrl.engines.vllm_local.llm_internals import (
+    ClosedLLM,
+    engine_core_sentinels,
+    output_handler,
+    pending_outputs_probe,
+    quiet_shutdown,
+)
 from asyncrl.engines.vllm_local.sleep import SleepMixin
 from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
 from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
@@ -33,11 +42,10 @@ from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
 
-DEATH_POLL_S = 0.25  # how often a pending control call checks whether the engine died
 DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
 
-class VLLMEngine(SleepMixin):
+class VLLMEngine(SleepMixin, Engine):
     """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
 
     def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm", rpc_dir: Path | None = None) -> None:
@@ -59,6 +67,8 @@ class VLLMEngine(SleepMixin):
         # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
         self._good = StagedWeights(Path(cfg.model), owned=False)
         self._closed = False
+        self._death = Death()  # declared when the engine core exits or the output loop fails (``_watch``)
+        self._stop_watching: Any = None  # closing it ends the process watcher's thread
         self._init_sleep()
 
     @classmethod
@@ -79,6 +89,7 @@ class VLLMEngine(SleepMixin):
             raise
         engine = cls(llm, cfg, name, rpc_dir)
         try:
+            engine._watch()
             await engine._call(llm.collective_rpc("asyncrl_record_ties"))
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
@@ -172,23 +183,15 @@ class VLLMEngine(SleepMixin):
 
     async def _call(self, coro: Any) -> Any:
         """Await a control call (pause, reload...). vLLM never answers a call to a dead engine core, so
-        race it against the engine's death flag (there is no event for it to wait on)."""
-        task = asyncio.ensure_future(coro)
+        race it against the engine's death event."""
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
-                if done:
-                    return task.result()
-                if self._closed or self._llm.errored:
-                    raise EngineError(self.name, "engine core process died during a control call")
+            return await self._death.race(coro)
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as exc:
             if self._closed or self._llm.errored:
                 raise EngineError(self.name, f"engine died or closed ({exc!r})") from exc
             raise
-        finally:
-            task.cancel()
 
     # -- weight target -------------------------------------------------------------------------------------
 
@@ -305,10 +308,41 @@ class VLLMEngine(SleepMixin):
         if self._closed:
             raise EngineError(self.name, "engine is closed")
         if self._llm.errored:
-            raise EngineError(self.name, "engine core process died or its output loop failed")
+            self._died("engine core process died or its output loop failed")
+        if self._death.error is not None:
+            raise self._death.error
 
     async def check_alive(self) -> None:
         self._raise_if_dead()
+
+    async def wait_dead(self) -> EngineError:
+        return await self._death.wait()
+
+    def _died(self, why: str) -> None:
+        self._death.declare(EngineError(self.name, why))
+
+    def _watch(self) -> None:
+        """Declare the death as soon as vLLM's engine-core processes exit (a thread waits on their sentinels,
+        beside a pipe that ``close`` closes to end it) or its output loop ends."""
+        handler = output_handler(self._llm)
+        if handler is not None:
+            handler.add_done_callback(lambda _: self._closed or self._died("engine died: its output loop ended"))
+        sentinels = engine_core_sentinels(self._llm)
+        if not sentinels:
+            return
+        loop = asyncio.get_running_loop()
+        stop_r, self._stop_watching = multiprocessing.Pipe(duplex=False)
+
+        def watch() -> None:
+            with stop_r:
+                if stop_r in multiprocessing.connection.wait([*sentinels, stop_r]):
+                    return  # closed: the processes exit because we asked them to
+            try:
+                loop.call_soon_threadsafe(lambda: self._closed or self._died("engine core process died"))
+            except RuntimeError:  # the event loop is gone: nobody is left to tell
+                pass
+
+        threading.Thread(target=watch, name=f"asyncrl-{self.name}-death", daemon=True).start()
 
     async def close(self) -> None:
         """Shut vLLM down (its processes gone when this returns) and remove staged weights. Idempotent; runs
@@ -316,6 +350,9 @@ class VLLMEngine(SleepMixin):
         if self._closed:
             return
         self._closed = True
+        self._death.declare(EngineError(self.name, "engine is closed"))  # calls still pending end now
+        if self._stop_watching is not None:
+            self._stop_watching.close()
         t0 = time.monotonic()
         try:
             await settle(quiet_shutdown(self._llm), f"shutting down {self.name}")

@@ -19,6 +19,22 @@ class ClosedLLM:
     errored = True
 
 
+def engine_core_sentinels(llm: Any) -> list[Any]:
+    """The process sentinels of the engine-core processes vLLM started (readable once a process has exited),
+    or [] where this vLLM keeps them elsewhere (its process manager, 0.26-0.32)."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    return list(manager.sentinels()) if manager is not None and hasattr(manager, "sentinels") else []
+
+
+def output_handler(llm: Any) -> asyncio.Task[None] | None:
+    """vLLM's output-handler task, started now if it was not yet (AsyncLLM starts it on the first request when
+    it was built outside an event loop, as ``VLLMEngine.start`` does). It ends only when the engine fails."""
+    start = getattr(llm, "_run_output_handler", None)
+    if start is not None:
+        start()
+    return getattr(llm, "output_handler", None)
+
+
 def pending_outputs_probe(llm: Any) -> Callable[[], bool] | None:
     """A callable telling whether engine outputs are still undelivered, or None if this vLLM lacks the
     internals it reads (the client's output queue and the per-request collectors; present in 0.26-0.32)."""

@@ -34,7 +34,8 @@ import aiohttp
 from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import completion_room, restore_good_weights
-from asyncrl.engines.protocols import WeightUpdate, request_seed
+from asyncrl.engines.death import Death
+from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
 from asyncrl.engines.vllm_remote.config import RemoteEngineConfig
 from asyncrl.engines.vllm_remote.streaming import SampleBuilder, SseReader
@@ -70,7 +71,7 @@ class WeightTransport(Protocol):
         ...
 
 
-class RemoteVLLMEngine:
+class RemoteVLLMEngine(Engine):
     """Sampler, weight target and lifecycle over a vLLM OpenAI server. Build it with ``await connect(cfg)``.
 
     ``connect`` assumes the server holds ``cfg.model_dir``'s weights, which are version 0. The engine never
@@ -93,6 +94,7 @@ class RemoteVLLMEngine:
         self._requests = 0  # samples requested, ever
         self._pause_in_doubt = False  # a pause call was cut short: the server may apply it late
         self._closed = False
+        self._death = Death()  # declared by the first health check that finds the server gone
 
     @classmethod
     async def connect(cls, cfg: RemoteEngineConfig, *, name: str | None = None,
@@ -218,9 +220,17 @@ class RemoteVLLMEngine:
                 done, _ = await asyncio.wait({task}, timeout=self._cfg.health_check_interval_s)
                 if done:
                     return task.result()
-                await self._api.probe_if_quiet()
+                await self._probe()
         finally:
             task.cancel()
+
+    async def _probe(self) -> None:
+        """A health check shared by every waiter (``ServerApi.probe_if_quiet``); a failure is the death."""
+        try:
+            await self._api.probe_if_quiet()
+        except EngineError as exc:
+            self._death.declare(exc)
+            raise
 
     async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Log-prob of each token after the first given the tokens before it, at temperature 1 (for checks
@@ -329,13 +339,34 @@ class RemoteVLLMEngine:
 
     async def check_alive(self) -> None:
         self._raise_if_closed()
-        await self._api.check_health()
+        try:
+            await self._api.check_health()
+        except EngineError as exc:
+            self._death.declare(exc)
+            raise
+
+    async def wait_dead(self) -> EngineError:
+        """A server's death has no signal but failed health probes: probe it every ``health_check_interval_s``
+        (one probe per interval however many callers wait, and none while requests show it alive) until a
+        probe, here or in any call, declares it dead or the engine is closed."""
+        probing = asyncio.ensure_future(self._probe_until_dead())
+        try:
+            return await self._death.wait()
+        finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
+
+    async def _probe_until_dead(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.health_check_interval_s)  # the probe period: HTTP is the only signal
+            await self._probe()
 
     async def close(self) -> None:
         """Close the HTTP session and remove staged weights (the server keeps running). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._death.declare(EngineError(self.name, "engine is closed"))
         try:
             if self._transport is not None:
                 await self._transport.close()
