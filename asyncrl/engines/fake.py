@@ -27,7 +27,7 @@ class FakeEngine(Engine):
         self._max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.logprob = logprob
-        self.vocab_size = vocab_size
+        self._vocab_size = vocab_size
         self._running = asyncio.Event()  # set while not paused
         self._running.set()
         self._abort_epoch = 0  # bumped by every abort pause; samples started before it are cut
@@ -59,6 +59,10 @@ class FakeEngine(Engine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
