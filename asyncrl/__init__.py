@@ -9,7 +9,7 @@ from asyncrl.config import (
     AbortPolicy, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
     RewardExecution, SamplingConfig, SyncConfig,
 )
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import GroupTotals
 from asyncrl.data import PromptSource
 from asyncrl.errors import (
     ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
@@ -29,7 +29,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
-    "EnvFactory", "Episode", "EpisodeConfig", "FinishReason", "GroupCounters",
+    "EnvFactory", "Episode", "EpisodeConfig", "FinishReason", "GroupTotals",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",
     "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "Rollout", "RolloutDropped", "RolloutGroup",

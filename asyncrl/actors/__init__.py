@@ -1,8 +1,9 @@
 """Actors: producers (generate and score), the learner (train and publish), and weight sync."""
 
-from asyncrl.actors.learner import Learner, StepResult
-from asyncrl.actors.producer import GroupSink, Producer
+from asyncrl.actors.learner import Learner, LearnerCounters, StepReport
+from asyncrl.actors.producer import GroupSink, Producer, ProducerCounters
 from asyncrl.actors.rewards import RewardFn
 from asyncrl.actors.weight_sync import WeightSync
 
-__all__ = ["GroupSink", "Learner", "Producer", "RewardFn", "StepResult", "WeightSync"]
+__all__ = ["GroupSink", "Learner", "LearnerCounters", "Producer", "ProducerCounters", "RewardFn", "StepReport",
+           "WeightSync"]
