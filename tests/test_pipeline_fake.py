@@ -250,7 +250,7 @@ async def test_finite_data_ends_the_run_gracefully():
 async def test_abort_cut_samples_are_resubmitted_or_dropped():
     for policy, expect_drop in ((AbortPolicy.RESUBMIT, False), (AbortPolicy.DROP, True)):
         engine = FakeEngine(token_delay_s=0.005)
-        sender, receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
+        sender, _receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
         producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, sender,
                             ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy))
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))

@@ -305,7 +305,8 @@ def restore(checkpoint: Checkpoint | str | Path, model: torch.nn.Module,
     set_rng_state(meta["rng"])
     log.info("restored %s: step %d, version %d, cursor %d", ckpt.path, ckpt.step, meta["version"], meta["cursor"])
     return ResumeState(step=meta["step"], version=meta["version"], published=meta["published"],
-                       cursor=meta["cursor"], counters=restored_counters(meta), extra=meta.get("extra", {}), path=ckpt.path)
+                       cursor=meta["cursor"], counters=restored_counters(meta), extra=meta.get("extra", {}),
+                       path=ckpt.path)
 
 
 def state_meta(state: TrainingState) -> dict[str, Any]:
