@@ -10,7 +10,6 @@ on demand, and writes none of them.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,16 +17,26 @@ from typing import Protocol
 from asyncrl.types import DropReason
 
 
-class Drops(Counter[DropReason]):
-    """Groups dropped, by reason. ``add`` never stores a zero count, so a reason present is a reason seen."""
+class Drops(dict[DropReason, int]):
+    """Groups dropped, by reason. A reason never seen reads 0 and is not stored, so a reason present is one seen.
+    A plain dict otherwise (``dataclasses.asdict`` and JSON keep it as it is)."""
+
+    def __missing__(self, reason: DropReason) -> int:
+        return 0
 
     def add(self, reason: DropReason, count: int = 1) -> None:
         if count:
-            self[reason] += count
+            self[reason] = self[reason] + count
+
+    def merge(self, other: Mapping[DropReason, int]) -> None:
+        """Add ``other``'s counts to these."""
+        for reason, count in other.items():
+            self.add(reason, count)
 
     def describe(self) -> str:
-        """``"stale 3, reward_invalid 40"``, or ``"none"``: for error messages."""
-        return ", ".join(f"{r.value} {c}" for r, c in self.most_common() if c) or "none"
+        """``"stale 3, reward_invalid 40"``, most first, or ``"none"``: for error messages."""
+        ranked = sorted(self.items(), key=lambda item: -item[1])
+        return ", ".join(f"{r.value} {c}" for r, c in ranked if c) or "none"
 
 
 class ProducerBooks(Protocol):
@@ -96,10 +105,10 @@ def add_up(queue: QueueBooks, learner: LearnerBooks, producers: Iterable[Produce
     """The totals of one pipeline's books, plus ``previous`` (the runs a resumed one continues)."""
     before = Drops()
     for producer in producers:
-        before.update(producer.dropped)
+        before.merge(producer.dropped)
     dropped = Drops(previous.dropped)
     for part in (before, queue.dropped, learner.dropped):
-        dropped.update(part)
+        dropped.merge(part)
     return GroupTotals(queued=previous.queued + queue.entered, trained=previous.trained + learner.groups_trained,
                        samples_trained=previous.samples_trained + learner.samples_trained, dropped=dropped,
                        dropped_before_queue=previous.dropped_before_queue + sum(before.values()))

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -74,7 +76,7 @@ async def test_each_fate_is_on_the_books_of_the_component_that_decided_it():
     assert set(queue.dropped) <= QUEUE_REASONS, f"the queue counted others' drops: {dict(queue.dropped)}"
     before = Drops()
     for p in producers:
-        before.update(p.dropped)
+        before.merge(p.dropped)
     assert before[DropReason.EMPTY_PROMPT] > 0 and before[DropReason.REWARD_INVALID] > 0
     assert queue.dropped[DropReason.STALE] > 0, "with staleness 0, queued groups go stale"
     assert set(learner.dropped) <= {DropReason.UNUSED_AT_SHUTDOWN}
@@ -83,7 +85,9 @@ async def test_each_fate_is_on_the_books_of_the_component_that_decided_it():
     assert queue.entered == queue.handed_out + sum(queue.dropped.values()) + pipe.receiver.depth
     assert queue.handed_out == learner.groups_trained + sum(learner.dropped.values()) == 16
     # ... and the result is their sum.
-    dropped = before + queue.dropped + learner.dropped
+    dropped = Drops(before)
+    dropped.merge(queue.dropped)
+    dropped.merge(learner.dropped)
     assert result.dropped == {r.value: n for r, n in dropped.items()}
     assert (result.groups_trained, result.samples_trained) == (16, 32) == (learner.groups_trained,
                                                                           learner.samples_trained)
@@ -152,6 +156,7 @@ def test_add_up_sums_each_components_books_and_a_checkpoints_totals():
     assert totals.unaccounted(in_queue=4) == 25 - 14 - (14 - 7) - 4 == 0
     assert totals.describe_drops() == "stale 5, reward_error 4, empty_prompt 3, unused_at_shutdown 2"
     assert producers[0].dropped == {DropReason.EMPTY_PROMPT: 2}, "adding up writes no book"
+    assert json.loads(json.dumps(asdict(producers[1])))["dropped"] == {"empty_prompt": 1, "reward_error": 4}
 
 
 def test_checkpoint_meta_keeps_the_layout_earlier_checkpoints_have():
