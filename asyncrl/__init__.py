@@ -10,7 +10,7 @@ from asyncrl.config import (
     AbortPolicy, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
     RewardExecution, SamplingConfig, SyncConfig,
 )
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import GroupTotals
 from asyncrl.data import PromptSource
 from asyncrl.engines import state_dict_for_engine
 from asyncrl.episodes import Env, EnvFactory, Episode, EpisodeRunner, StepResult, ToolBox, ToolCall, ToolEnv
@@ -31,7 +31,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
-    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupCounters",
+    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupTotals",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
     "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
     "PromptSource", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution", "RewardFn", "Rollout",

@@ -19,6 +19,7 @@ from asyncrl.actors.learner import Learner
 from asyncrl.actors.producer import Producer
 from asyncrl.aio import bounded, first_cause
 from asyncrl.config import PipelineConfig
+from asyncrl.counters import GroupTotals
 from asyncrl.errors import ConfigError
 from asyncrl.engines.protocols import Lifecycle, WeightTarget
 from asyncrl.episodes.runner import EpisodeMetricsHook
@@ -66,6 +67,8 @@ class Pipeline:
             if n < learner.loss.min_group_size:
                 raise ConfigError("SamplingConfig.n", f"{type(learner.loss).__name__} needs groups of at least "
                                                       f"{learner.loss.min_group_size} samples, {p.name} samples {n}")
+        for p in producers:  # the learner's totals (metrics, checkpoints) include what the producers dropped
+            learner.books.include(p.counters)
         runners = [p.episodes.counters for p in producers if p.episodes is not None]
         if runners:  # turns, tool calls and environment time per learner step
             learner.hooks.append(EpisodeMetricsHook(runners))
@@ -124,7 +127,7 @@ class Pipeline:
             self.result.gen_s += time.perf_counter() - t_gen
             if not batch:
                 raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps; group "
-                                      f"drops: {self.receiver.counters.describe_drops()}")
+                                      f"drops: {self.totals().describe_drops()}")
             sleeper = await self._sleep_engine()
             result = await self.learner.train_and_publish(batch)
             await self.learner.flush()  # synchronous mode: the next batch is generated with these weights
@@ -170,16 +173,20 @@ class Pipeline:
         if self.close_engine:
             await bounded(self.engine.close(), self.config.shutdown_timeout_s, f"closing engine {self.engine.name}")
 
+    def totals(self) -> GroupTotals:
+        """The producers', queue's and learner's books added up (and a checkpoint's, when resumed)."""
+        return self.learner.totals()
+
     def _collect(self, wall_s: float) -> None:
-        counters = self.receiver.counters
+        totals = self.totals()
         r = self.result
         r.wall_s = wall_s
         r.steps = self.learner.step
         r.version = self.learner.version
-        r.groups_trained = counters.trained
-        r.samples_trained = self.learner.samples_trained
+        r.groups_trained = totals.trained
+        r.samples_trained = totals.samples_trained
         r.tokens_generated = sum(p.counters.tokens for p in self.producers)
-        r.dropped = {reason.value: c for reason, c in counters.dropped.items()}
-        r.unaccounted = counters.unaccounted(self.receiver.depth)
+        r.dropped = {reason.value: c for reason, c in totals.dropped.items()}
+        r.unaccounted = totals.unaccounted(self.receiver.depth)
         r.train_s = self.learner.train_s
         r.sync_s = self.learner.weight_sync.counters.paused_s

@@ -53,8 +53,8 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     clock = VersionClock(engine.version)
     sender, receiver = create_rollout_queue(config.queue, clock)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
-        producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer,
-                              group_counters=receiver.counters, name=f"producer-{i}", env=env)
+        producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer, name=f"producer-{i}",
+                              env=env)
                      for i in range(config.num_producers)]
     sync = WeightSync(target or engine, clock, config.learner.sync)
     if backend is not None:

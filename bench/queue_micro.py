@@ -98,7 +98,7 @@ async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
     stored_at: dict[str, float] = {}
     with sender:  # each producer holds a clone
         producers = [asyncrl.Producer(engine, source, lambda p, s: 1.0, StampedSender(sender.clone(), stored_at),
-                                      cfg, group_counters=receiver.counters, name=f"producer-{i}")
+                                      cfg, name=f"producer-{i}")
                      for i in range(args.producers)]
     latencies: list[float] = []
 

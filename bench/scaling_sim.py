@@ -193,9 +193,9 @@ async def ingest(args: argparse.Namespace, engines: list[ActorEngine]) -> dict[s
     pipe = sharded_pipeline(pool, backend, prompts(), reward, config,  # type: ignore[arg-type]
                             close_engine=False)
     result = await pipe.run(args.steps)
-    counters = pipe.receiver.counters
+    entered = pipe.receiver.counters.entered
     return {"servers": len(engines), "producers": args.producers, "wall_s": result.wall_s,
-            "groups_queued": counters.queued, "groups_per_s": counters.queued / result.wall_s,
+            "groups_queued": entered, "groups_per_s": entered / result.wall_s,
             "groups_trained_per_s": result.groups_trained / result.wall_s,
             "tokens_per_s": result.tokens_generated / result.wall_s, "train_s": result.train_s,
             "sync_s": result.sync_s, "paused_frac": result.sync_s / result.wall_s, "dropped": result.dropped}

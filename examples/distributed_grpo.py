@@ -180,7 +180,7 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, 
     learner = pipe.learner
     if args.resume:
         if "counters" in meta:  # the group accounting goes on where it stopped
-            continue_books(pipe, restored_counters(meta), meta["samples_trained"])
+            continue_books(pipe, restored_counters(meta))
         # The servers start from the model directory: serve the restored weights, as a version never seen.
         await learner.publish(meta["version"] + 1)
 

@@ -57,14 +57,14 @@ async def train(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync
 
     def report(step: int, metrics: dict[str, float]) -> None:
         emit("step", step=step, version=learner.version, groups_received=ingest.counters["groups_stored"],
-             samples_trained=learner.samples_trained, reward_mean=metrics.get("train/reward_mean"),
+             samples_trained=learner.counters.samples_trained, reward_mean=metrics.get("train/reward_mean"),
              staleness_mean=metrics["rollout/staleness_batch_mean"], sync_s=metrics.get("sync/total_s"),
              prepare_s=metrics.get("sync/prepare_s"))
 
     learner.hooks.append(report)
     await learner.run(args.steps)  # the last publication has landed (or raised) when this returns
     emit("done", steps=learner.step, version=learner.version, syncs=weight_sync.counters.published,
-         groups_received=ingest.counters["groups_stored"], samples_trained=learner.samples_trained)
+         groups_received=ingest.counters["groups_stored"], samples_trained=learner.counters.samples_trained)
 
 
 async def main(args: argparse.Namespace, token: str) -> None:

@@ -84,7 +84,7 @@ async def test_round_trip_restores_weights_optimizer_position_and_rng(tmp_path):
     for i in range(6):  # prompts 0-5 became groups, 4 trained, 2 still queued; prompt 6 is in flight
         await sender.send(group(f"p{i}#{i}"))
     await learner.receiver.receive_batch(4)
-    learner.receiver.counters.trained = 4
+    learner.counters.groups_trained = 4  # as if trained: the learner's books
     async with Checkpointer(CheckpointConfig(tmp_path, every_steps=1)) as ckpt:
         saved = await save_learner(ckpt, learner, source, extra={"note": "hi"})
     weights = {k: v.clone() for k, v in learner.model.state_dict().items()}

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from asyncrl import (
-    AbortPolicy, DropReason, EpisodeConfig, GroupCounters, ProducerConfig, Prompt, RolloutDropped, SamplingConfig,
+    AbortPolicy, DropReason, EpisodeConfig, ProducerConfig, Prompt, RolloutDropped, SamplingConfig,
     StepResult, ToolBox, ToolCall, ToolEnv,
 )
 from asyncrl.actors.producer import Producer
@@ -183,7 +183,6 @@ async def test_a_failed_group_cancels_its_other_episodes_engine_requests():
 
 
 async def test_producer_counts_episode_drops_and_keeps_going():
-    counters = GroupCounters()
     sent = []
 
     class Sink:
@@ -194,9 +193,9 @@ async def test_producer_counts_episode_drops_and_keeps_going():
     prompts = PromptSource([PROMPT, replace(PROMPT, prompt_id="p1")])
     calls = iter([FloodingEnv(), FloodingEnv(), ScriptedEnv(), ScriptedEnv()])
     cfg = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=2), episode=EpisodeConfig(max_env_tokens=8))
-    producer = Producer(FakeEngine(), prompts, None, Sink(), cfg, group_counters=counters, env=lambda p: next(calls))
+    producer = Producer(FakeEngine(), prompts, None, Sink(), cfg, env=lambda p: next(calls))
     await producer.run()
-    assert counters.dropped == {DropReason.ENV_OUTPUT_TOO_LONG: 1} and len(sent) == 1
+    assert producer.counters.dropped == {DropReason.ENV_OUTPUT_TOO_LONG: 1} and len(sent) == 1
     assert producer.metrics()["episode/episodes"] == 2
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl import (
-    DropReason, EpisodeConfig, GroupCounters, ProducerConfig, Prompt, SamplingConfig, StepResult, SyncConfig,
+    DropReason, EpisodeConfig, ProducerConfig, Prompt, SamplingConfig, StepResult, SyncConfig,
     ToolBox, ToolCall, ToolEnv, VersionClock, WeightSync,
 )
 from asyncrl.actors.producer import Producer
@@ -240,7 +240,6 @@ async def _tool_hangs() -> StepResult:
     (_tool_hangs, DropReason.TOOL_TIMEOUT),
 ])
 async def test_failing_environment_is_a_counted_drop_without_a_hang(vllm_engine, tokenizer, fail, reason):
-    counters = GroupCounters()
     envs: list[FixedEnv] = []
 
     def factory(prompt):  # episode 0 fails at its second step; episode 1 is mid-turn then, and is cancelled
@@ -252,10 +251,10 @@ async def test_failing_environment_is_a_counted_drop_without_a_hang(vllm_engine,
             raise AssertionError("a failed group must not be sent")
 
     cfg = _config(2, 40, env_timeout_s=1.0, max_env_tokens=16)
-    producer = Producer(vllm_engine, PromptSource([]), None, Sink(), cfg, group_counters=counters, env=factory)
+    producer = Producer(vllm_engine, PromptSource([]), None, Sink(), cfg, env=factory)
     async with asyncio.timeout(30):
         assert await producer.produce_one(0, _prompt(tokenizer)) is None
-    assert counters.dropped == {reason: 1}
+    assert producer.counters.dropped == {reason: 1}
     assert all(e.closed for e in envs) and len(envs) == 2
     assert vllm_engine.llm.output_processor.get_num_unfinished_requests() == 0, "cancelled turns were aborted"
 

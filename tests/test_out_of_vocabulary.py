@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from asyncrl import (
-    DropReason, EpisodeConfig, GroupCounters, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, PromptRejected,
+    DropReason, EpisodeConfig, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, PromptRejected,
     QueueConfig, RolloutDropped, SamplingConfig, StepResult, SyncConfig, grpo_pipeline,
 )
 from asyncrl.actors.producer import Producer
@@ -61,11 +61,11 @@ async def test_an_environment_id_outside_the_vocabulary_drops_the_group_before_t
 
 
 async def test_a_prompt_outside_the_vocabulary_is_a_counted_drop_and_the_producer_goes_on():
-    engine, sink, counters = FakeEngine(vocab_size=100), Sink(), GroupCounters()
+    engine, sink = FakeEngine(vocab_size=100), Sink()
     prompts = PromptSource([Prompt("bad", (1, OOV, 3)), replace(PROMPT, prompt_id="good")])
-    producer = Producer(engine, prompts, lambda p, s: 1.0, sink, _config(), group_counters=counters)
+    producer = Producer(engine, prompts, lambda p, s: 1.0, sink, _config())
     await producer.run()
-    assert counters.dropped == {DropReason.OUT_OF_VOCABULARY: 1}
+    assert producer.counters.dropped == {DropReason.OUT_OF_VOCABULARY: 1}
     assert [g.prompt.prompt_id for g in sink.sent] == ["good"]
     assert engine.requests == 1, "the bad prompt never reached the engine"
 

@@ -250,10 +250,9 @@ async def test_finite_data_ends_the_run_gracefully():
 async def test_abort_cut_samples_are_resubmitted_or_dropped():
     for policy, expect_drop in ((AbortPolicy.RESUBMIT, False), (AbortPolicy.DROP, True)):
         engine = FakeEngine(token_delay_s=0.005)
-        sender, receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
+        sender, _receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
         producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, sender,
-                            ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy),
-                            group_counters=receiver.counters)
+                            ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy))
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
         await asyncio.wait_for(engine.token_produced.wait(), 10)
         await engine.pause(PauseMode.ABORT, clear_cache=False)
@@ -261,7 +260,7 @@ async def test_abort_cut_samples_are_resubmitted_or_dropped():
         await engine.resume()
         result = await asyncio.wait_for(task, 10)
         if expect_drop:
-            assert result is None and receiver.counters.dropped[DropReason.ABORTED] == 1
+            assert result is None and producer.counters.dropped[DropReason.ABORTED] == 1
         else:
             assert result is not None and producer.counters.resubmitted == 2
             assert all(r.sample.finish_reason is FinishReason.LENGTH and r.sample.oldest_version == 1

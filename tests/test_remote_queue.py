@@ -54,7 +54,7 @@ def body_of(*groups: Any) -> bytes:
 
 
 def assert_nothing_stored(receiver: RolloutReceiver) -> None:
-    assert receiver.depth == 0 and receiver.counters.queued == 0
+    assert receiver.depth == 0 and receiver.counters.entered == 0
 
 
 def is_group_sink(obj: Any) -> bool:
@@ -198,7 +198,7 @@ async def test_same_group_posted_twice_is_stored_once() -> None:
         async with RemoteQueueClient(server.url, TOKEN) as client:
             assert await client.send(group) is False
             assert await client.send_many([make_group("x"), make_group("x")]) == [True, False]
-        assert receiver.depth == 2 and receiver.counters.queued == 2
+        assert receiver.depth == 2 and receiver.counters.entered == 2
 
 
 @pytest.mark.asyncio

@@ -61,7 +61,7 @@ async def test_stop_waits_until_a_producer_between_posts_hears_the_queue_closed(
         with pytest.raises(RemoteQueueClosed):  # final: raised without posting to a server that is gone
             await client.send(make_group("c"))
         assert not events["start"].is_set() and not events["error"].is_set()
-    assert server.counters["groups_pending"] == 1 and receiver.counters.queued == 1
+    assert server.counters["groups_pending"] == 1 and receiver.counters.entered == 1
 
 
 @pytest.mark.asyncio

@@ -90,7 +90,7 @@ class MemoryProbe:
         children = sum(_rss(p) for p in me.children(recursive=True))
         rss = _rss(me) - tracemalloc.get_tracemalloc_memory()  # tracemalloc's traces are not the program's
         self.marks[step] = Mark(step, time.perf_counter(), rss / 2**20, children / 2**20,
-                                tracemalloc.get_traced_memory()[0] / 2**20, self.pipe.receiver.counters.queued,
+                                tracemalloc.get_traced_memory()[0] / 2**20, self.pipe.receiver.counters.entered,
                                 tracemalloc.take_snapshot())
 
 

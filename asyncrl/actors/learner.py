@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from asyncrl.actors.training import LocalBackend, TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
+from asyncrl.counters import Books, Drops, GroupTotals
 from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
 from asyncrl.queues.rollout_queue import RolloutReceiver
@@ -39,11 +40,22 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
+class StepReport:
+    """What one optimiser step did (the environment's step result is ``asyncrl.StepResult``)."""
+
     step: int  # optimiser steps done so far (1-based after the first)
     metrics: Mapping[str, float]
     train_s: float  # forward + backward + optimiser step, seconds
     sync: SyncTiming | None  # the publication after this step, if one happened
+
+
+@dataclass(slots=True)
+class LearnerCounters:
+    """A learner's books, written by it alone: groups handed to it either reach the loss or are dropped."""
+
+    groups_trained: int = 0  # groups that reached the loss
+    samples_trained: int = 0  # rollouts in those groups
+    dropped: Drops = field(default_factory=Drops)  # groups whose step failed or was cancelled, by reason
 
 
 class Learner:
@@ -68,7 +80,9 @@ class Learner:
         self.config = config
         self.monitor = monitor or NullMonitor()
         self.step = step  # optimiser steps taken
-        self.samples_trained = 0  # rollouts that reached the loss
+        self.counters = LearnerCounters()
+        # Its books, its queue's and (``books.include``) its producers': the totals it reports and checkpoints.
+        self.books = Books(receiver.counters, self.counters)
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
@@ -91,6 +105,10 @@ class Learner:
         background (``sync.overlap``). Staleness is measured against it."""
         return self.weight_sync.clock.policy
 
+    def totals(self) -> GroupTotals:
+        """What ``books`` add up to now (``groups/*`` metrics, checkpoints, error messages)."""
+        return self.books.totals()
+
     async def run(self, steps: int | None) -> None:
         """Train until ``self.step == steps`` (None: until every producer is done and the queue is drained).
         The last publication has landed when this returns.
@@ -107,7 +125,7 @@ class Learner:
                         break
                     raise NoProgressError(f"the rollout queue ended after {self.step} of {steps} steps: every "
                                           f"producer finished; group drops: "
-                                          f"{self.receiver.counters.describe_drops()}") from None
+                                          f"{self.totals().describe_drops()}") from None
                 wait_s = time.perf_counter() - t0
                 result = await self.train_and_publish(batch)
                 await self.report(result, extra={"learner/wait_s": wait_s})
@@ -128,29 +146,29 @@ class Learner:
             raise NoProgressError(
                 f"no batch of {self.config.batch_groups} groups for stall_timeout_s={limit}s after "
                 f"{self.step} of {steps if steps is not None else 'all'} steps: queue depth {stats.depth}, "
-                f"{stats.open_senders} producers open, group drops: {self.receiver.counters.describe_drops()}"
+                f"{stats.open_senders} producers open, group drops: {self.totals().describe_drops()}"
             ) from None
 
-    async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepResult:
+    async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepReport:
         """One optimiser step on ``batch``, then a publication if this step is a sync step."""
         staleness = [g.staleness(self.policy_version) for g in batch]
         t0 = time.perf_counter()
         try:
             metrics = await self._in_thread(self._train_step, batch)
         except BaseException:
-            self.receiver.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            self.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN, len(batch))
             raise
         train_s = time.perf_counter() - t0
         self.step += 1
         self.train_s += train_s
-        self.samples_trained += sum(len(g.rollouts) for g in batch)
-        self.receiver.counters.trained += len(batch)
+        self.counters.groups_trained += len(batch)
+        self.counters.samples_trained += sum(len(g.rollouts) for g in batch)
         metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness_batch_max"] = max(staleness)
         timing = None
         if self.step % self.config.sync.every == 0:
             timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())
-        return StepResult(self.step, metrics, train_s, timing)
+        return StepReport(self.step, metrics, train_s, timing)
 
     async def publish(self, version: int | None = None) -> SyncTiming:
         """Publish the current weights (as ``version``, default the next one) and wait until they are served."""
@@ -195,14 +213,14 @@ class Learner:
     def _train_step(self, batch: Sequence[RolloutGroup]) -> dict[str, float]:
         return self.backend.train_step(batch, self.step)
 
-    async def report(self, result: StepResult, extra: Mapping[str, float] | None = None) -> None:
+    async def report(self, result: StepReport, extra: Mapping[str, float] | None = None) -> None:
         """Add pipeline gauges to a step's metrics, run the hooks, and log to the monitor."""
         metrics = dict(result.metrics)
         metrics.update(extra or {})
         metrics["learner/version"] = self.version
         metrics["learner/train_s"] = result.train_s
         metrics.update(self.receiver.metrics())
-        metrics.update(self.receiver.counters.metrics())
+        metrics.update(self.totals().metrics())
         metrics.update(self.weight_sync.metrics())
         for hook in self.hooks:
             maybe = hook(result.step, metrics)

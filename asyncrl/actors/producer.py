@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from asyncrl.actors.rewards import RewardFn, RewardScorer
 from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import Drops
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import PromptRejected, Sampler
 from asyncrl.episodes.runner import EpisodeRunner, episode_metrics
@@ -55,11 +55,14 @@ class GroupSink(Protocol):
 
 @dataclass(slots=True)
 class ProducerCounters:
+    """A producer's books, written by it alone (the pipeline adds them into its ``GroupTotals``)."""
+
     groups: int = 0  # groups sent to the sink
     samples: int = 0  # samples in those groups
     tokens: int = 0  # completion tokens in those groups
     resubmitted: int = 0  # abort-cut samples sampled again
     duplicates: int = 0  # sends the sink reported as already stored
+    dropped: Drops = field(default_factory=Drops)  # groups dropped before reaching the sink, by reason
     drops_in_a_row: int = 0  # groups dropped as invalid since the last one sent
 
 
@@ -68,8 +71,8 @@ class Producer:
     async) and ships it to ``sink``."""
 
     def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
-                 config: ProducerConfig | None = None, group_counters: GroupCounters | None = None,
-                 name: str = "producer", *, env: EnvFactory | None = None) -> None:
+                 config: ProducerConfig | None = None, name: str = "producer", *,
+                 env: EnvFactory | None = None) -> None:
         if reward_fn is None and env is None:
             raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, or both")
         self.sampler = sampler
@@ -78,8 +81,6 @@ class Producer:
         self.config = config or ProducerConfig()
         self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
         self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
-        # The pipeline's group accounting (shared with the queue); drops before the queue are counted here.
-        self.group_counters = group_counters if group_counters is not None else GroupCounters()
         self.name = name
         self.counters = ProducerCounters()
         self.in_flight = 0  # groups being generated or scored right now
@@ -110,7 +111,7 @@ class Producer:
             raise  # raised after this group was counted as dropped
         except BaseException:
             # Shutdown, a closed queue, or a failure elsewhere: this group never reaches the queue; count it.
-            self.group_counters.drop(DropReason.UNUSED_AT_SHUTDOWN, queued=False)
+            self.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN)
             raise
         finally:
             self.in_flight -= 1
@@ -135,13 +136,13 @@ class Producer:
         if self.config.on_invalid is InvalidGroupPolicy.FAIL and drop.reason is not DropReason.ABORTED:
             raise InvalidGroupError(f"{self.name}: group {group_id} invalid ({drop.reason.value}): {drop}")
         log.warning("%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
-        self.group_counters.drop(drop.reason, queued=False)
+        self.counters.dropped.add(drop.reason)
         self.counters.drops_in_a_row += 1
         if self.counters.drops_in_a_row >= self.config.max_consecutive_drops:
             raise NoProgressError(
                 f"{self.name}: the last {self.counters.drops_in_a_row} groups were all dropped, nothing trainable "
                 f"is coming (last: {drop.reason.value}: {drop}); drops so far: "
-                f"{self.group_counters.describe_drops()} (ProducerConfig.max_consecutive_drops)")
+                f"{self.counters.dropped.describe()} (ProducerConfig.max_consecutive_drops)")
         return None
 
     async def _build_group(self, group_id: str, prompt: Prompt) -> RolloutGroup:

@@ -26,7 +26,7 @@ from asyncrl.actors.learner import Learner, StepHook
 from asyncrl.actors.rewards import RewardFn
 from asyncrl.checkpoint.store import Checkpoint, Checkpointer, ResumeState, TrainingState, restore, verify
 from asyncrl.config import PipelineConfig
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import GroupTotals
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine
 from asyncrl.pipeline import Pipeline
@@ -39,11 +39,10 @@ log = logging.getLogger(__name__)
 def training_state(learner: Learner, source: PromptSource, extra: Mapping[str, Any] | None = None) -> TrainingState:
     """Where ``learner`` stands now. Call with no publication in flight (``await learner.flush()``), so that
     ``version`` and ``published`` are exact."""
-    counters = learner.receiver.counters
+    counters = learner.totals()
     return TrainingState(
         step=learner.step, version=learner.version, published=learner.step % learner.config.sync.every == 0,
-        cursor=source.cursor, counters=counters, samples_trained=learner.samples_trained,
-        queue_depth=learner.receiver.depth,
+        cursor=source.cursor, counters=counters, queue_depth=learner.receiver.depth,
         # Prompts handed out that are neither queued nor dropped yet: groups being generated.
         in_flight=max(0, source.cursor - counters.queued - counters.dropped_before_queue),
         extra=dict(extra or {}))
@@ -95,7 +94,7 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module, items: Iterabl
     state = None
     if ckpt is not None:
         state = restore(ckpt, pipe.learner.model, pipe.learner.optimizer)
-        continue_books(pipe, state.counters, state.samples_trained)
+        continue_books(pipe, state.counters)
         version = state.version if state.published else state.version + 1
         served = pipe.learner.version
         if version <= served:  # an engine that already moved past it: versions never go back
@@ -108,10 +107,7 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module, items: Iterabl
     return pipe, state
 
 
-def continue_books(pipe: Pipeline, saved: GroupCounters, samples_trained: int) -> None:
-    """Carry a checkpoint's group accounting (``store.restored_counters``) into a new pipeline."""
-    counters = pipe.receiver.counters
-    counters.queued, counters.trained = saved.queued, saved.trained
-    counters.dropped = saved.dropped
-    counters.dropped_before_queue = saved.dropped_before_queue
-    pipe.learner.samples_trained = samples_trained
+def continue_books(pipe: Pipeline, saved: GroupTotals) -> None:
+    """Carry a checkpoint's totals (``store.restored_counters``) into a new pipeline: its books count this
+    process's groups, and its totals add the saved ones."""
+    pipe.learner.books.carry(saved)

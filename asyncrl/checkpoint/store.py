@@ -21,7 +21,6 @@ import re
 import shutil
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from asyncrl.aio import settle
 from asyncrl.checkpoint.files import TMP_PREFIX, fsync_dir, move_into_place, sha256, write_file
 from asyncrl.checkpoint.rng import rng_state, set_rng_state
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import Drops, GroupTotals
 from asyncrl.engines.weights import WEIGHTS_FILE
 from asyncrl.errors import ConfigError
 from asyncrl.types import DropReason
@@ -85,8 +84,7 @@ class TrainingState:
     version: int  # the weight version the engines serve
     published: bool  # the weights being saved are exactly the ones served as ``version`` (else newer)
     cursor: int  # prompts handed out; a resumed source starts here
-    counters: GroupCounters  # the pipeline's group accounting
-    samples_trained: int  # rollouts that reached the loss
+    counters: GroupTotals  # the pipeline's books, added up (``Learner.totals``)
     queue_depth: int = 0  # groups queued and not trained: lost with this process
     in_flight: int = 0  # groups being generated or scored: lost with this process
     extra: Mapping[str, Any] = field(default_factory=dict)  # anything JSON-serialisable the caller adds
@@ -100,8 +98,7 @@ class ResumeState:
     version: int  # weight version the engines served when saved
     published: bool  # the saved weights are the ones published as ``version`` (else they are newer)
     cursor: int  # prompts handed out when saved; the resumed source starts here
-    counters: GroupCounters  # group counts, with groups lost with the old process counted as unused
-    samples_trained: int  # rollouts that reached the loss
+    counters: GroupTotals  # the saved totals, with groups lost with the old process counted as unused
     extra: Mapping[str, Any]  # whatever the caller put in ``TrainingState.extra``
     path: Path
 
@@ -310,8 +307,8 @@ def restore(checkpoint: Checkpoint | str | Path, model: torch.nn.Module,
     set_rng_state(meta["rng"])
     log.info("restored %s: step %d, version %d, cursor %d", ckpt.path, ckpt.step, meta["version"], meta["cursor"])
     return ResumeState(step=meta["step"], version=meta["version"], published=meta["published"],
-                       cursor=meta["cursor"], counters=restored_counters(meta),
-                       samples_trained=meta["samples_trained"], extra=meta.get("extra", {}), path=ckpt.path)
+                       cursor=meta["cursor"], counters=restored_counters(meta), extra=meta.get("extra", {}),
+                       path=ckpt.path)
 
 
 def state_meta(state: TrainingState) -> dict[str, Any]:
@@ -322,7 +319,7 @@ def state_meta(state: TrainingState) -> dict[str, Any]:
         "cursor": state.cursor, "queue_depth": state.queue_depth, "in_flight": state.in_flight,
         "counters": {"queued": c.queued, "trained": c.trained, "dropped": {r.value: n for r, n in c.dropped.items()},
                      "dropped_before_queue": c.dropped_before_queue},
-        "samples_trained": state.samples_trained, "rng": rng_state(), "extra": dict(state.extra),
+        "samples_trained": c.samples_trained, "rng": rng_state(), "extra": dict(state.extra),
         "time": time.time(), "torch": torch.__version__,
     }
 
@@ -362,17 +359,14 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
-def restored_counters(meta: Mapping[str, Any]) -> GroupCounters:
-    """The group counts a resumed run continues from: the saved ones, with the groups that were queued or
-    being generated in the process that saved counted as unused (they are not replayed)."""
+def restored_counters(meta: Mapping[str, Any]) -> GroupTotals:
+    """The totals a resumed run continues from (``Ledger.carry``): the saved ones, with the groups that were
+    queued or being generated in the process that saved counted as unused (they are not replayed)."""
     saved = meta["counters"]
-    counters = GroupCounters(queued=saved["queued"], trained=saved["trained"],
-                             dropped=Counter({DropReason(r): c for r, c in saved["dropped"].items()}),
-                             dropped_before_queue=saved["dropped_before_queue"])
-    # Groups queued or in flight in the process that saved are not replayed.
-    counters.drop(DropReason.UNUSED_AT_SHUTDOWN, meta["queue_depth"], queued=True)
-    counters.drop(DropReason.UNUSED_AT_SHUTDOWN, meta["in_flight"], queued=False)
-    return counters
+    dropped = Drops({DropReason(r): c for r, c in saved["dropped"].items()})
+    dropped.add(DropReason.UNUSED_AT_SHUTDOWN, meta["queue_depth"] + meta["in_flight"])
+    return GroupTotals(queued=saved["queued"], trained=saved["trained"], samples_trained=meta["samples_trained"],
+                       dropped=dropped, dropped_before_queue=saved["dropped_before_queue"] + meta["in_flight"])
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:

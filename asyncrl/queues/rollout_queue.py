@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from asyncrl.config import QueueConfig
-from asyncrl.counters import GroupCounters
+from asyncrl.counters import Drops
 from asyncrl.errors import EndOfRollouts, QueueClosed
 from asyncrl.types import DropReason, RolloutGroup
 from asyncrl.versions import VersionClock
@@ -52,6 +53,16 @@ class QueueStatistics(NamedTuple):
     handed_out: int  # groups given to the learner
     age_s_sum: float  # total enqueue-to-hand-out time of those groups
     staleness: dict[int, int]  # staleness -> groups handed out
+
+
+@dataclass(slots=True)
+class QueueCounters:
+    """A queue's books, written by it alone. ``entered == handed_out + dropped + depth`` whenever no
+    ``receive_batch`` is part-way through a batch."""
+
+    entered: int = 0  # groups stored (a duplicate id is not)
+    handed_out: int = 0  # groups ``receive_batch`` returned to the learner
+    dropped: Drops = field(default_factory=Drops)  # groups dropped inside: stale, or unused at close, by reason
 
 
 class _Waiters:
@@ -89,10 +100,10 @@ class _Waiters:
 class _State:
     """What both ends share."""
 
-    def __init__(self, config: QueueConfig, clock: VersionClock, counters: GroupCounters) -> None:
+    def __init__(self, config: QueueConfig, clock: VersionClock) -> None:
         self.config = config
         self.clock = clock
-        self.counters = counters
+        self.counters = QueueCounters()
         self.items: deque[tuple[float, RolloutGroup]] = deque()  # (arrival time, group)
         self.room = _Waiters()  # sends waiting for room
         self.arrivals = _Waiters()  # the receiver waiting for groups or for the senders to close
@@ -103,7 +114,6 @@ class _State:
         self.sends_blocked = 0
         self.send_wait_s = 0.0
         self.receive_wait_s = 0.0
-        self.handed_out = 0
         self.age_s_sum = 0.0
         self.staleness: Counter[int] = Counter()
         self.unsubscribe = clock.observe(self.on_version)
@@ -116,7 +126,7 @@ class _State:
         if len(self.seen_ids) > SEEN_IDS_LIMIT:
             self.seen_ids.popitem(last=False)
         self.items.append((time.monotonic(), group))
-        self.counters.queued += 1
+        self.counters.entered += 1
         if len(self.items) > self.max_depth:
             self.max_depth = len(self.items)
         self.arrivals.notify_all()
@@ -128,7 +138,7 @@ class _State:
         dropped = len(self.items) - len(keep)
         if dropped:
             self.items = keep
-            self.counters.drop(DropReason.STALE, dropped, queued=True)
+            self.counters.dropped.add(DropReason.STALE, dropped)
             self.room.notify_all()
 
     def close_receiver(self) -> None:
@@ -137,7 +147,7 @@ class _State:
         self.receiver_closed = True
         self.unsubscribe()
         if self.items:
-            self.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(self.items), queued=True)
+            self.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN, len(self.items))
             self.items.clear()
         self.room.notify_all()
         self.arrivals.notify_all()
@@ -229,8 +239,8 @@ class RolloutReceiver:
         return self._state.config
 
     @property
-    def counters(self) -> GroupCounters:
-        """The group accounting this queue shares with its producers and learner."""
+    def counters(self) -> QueueCounters:
+        """This queue's books (read only: the queue alone writes them)."""
         return self._state.counters
 
     @property
@@ -253,17 +263,22 @@ class RolloutReceiver:
         if state.receiver_closed:
             raise RuntimeError("receive on a closed rollout receiver")
         batch: list[RolloutGroup] = []
+        taken: list[tuple[int, float]] = []  # (staleness, time queued) of each group in ``batch``
         t0 = time.monotonic()
         try:
-            self._fill(batch, size) if state.items else None
+            self._fill(batch, taken, size) if state.items else None
             while len(batch) < size:
                 await self._wait_for_groups()
-                self._fill(batch, size)
+                self._fill(batch, taken, size)
         except BaseException:
-            state.counters.drop(DropReason.UNUSED_AT_SHUTDOWN, len(batch), queued=True)
+            state.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN, len(batch))
             raise
         finally:
             state.receive_wait_s += time.monotonic() - t0
+        state.counters.handed_out += len(batch)  # only a batch returned is handed out
+        for staleness, age_s in taken:
+            state.staleness[staleness] += 1
+            state.age_s_sum += age_s
         return batch
 
     async def _wait_for_groups(self) -> None:
@@ -275,19 +290,17 @@ class RolloutReceiver:
                 raise QueueClosed("the rollout queue's receiver was closed")
             await state.arrivals.wait()
 
-    def _fill(self, batch: list[RolloutGroup], size: int) -> None:
-        """Hand out what is queued, up to ``size``, then wake blocked sends once."""
+    def _fill(self, batch: list[RolloutGroup], taken: list[tuple[int, float]], size: int) -> None:
+        """Take what is queued into ``batch``, up to ``size``, then wake blocked sends once."""
         state = self._state
         policy, limit, now = state.clock.policy, state.config.max_staleness, time.monotonic()
         while state.items and len(batch) < size:
             arrived, group = state.items.popleft()
             staleness = group.staleness(policy)
             if staleness > limit:
-                state.counters.drop(DropReason.STALE, queued=True)
+                state.counters.dropped.add(DropReason.STALE)
                 continue
-            state.staleness[staleness] += 1
-            state.age_s_sum += now - arrived
-            state.handed_out += 1
+            taken.append((staleness, now - arrived))
             batch.append(group)
         state.room.notify_all()
 
@@ -307,7 +320,7 @@ class RolloutReceiver:
             depth=len(s.items), capacity=s.config.capacity, open_senders=s.open_senders,
             waiting_senders=len(s.room), receiver_closed=s.receiver_closed, max_depth=s.max_depth,
             sends_blocked=s.sends_blocked, send_wait_s=s.send_wait_s, receive_wait_s=s.receive_wait_s,
-            handed_out=s.handed_out, age_s_sum=s.age_s_sum, staleness=dict(s.staleness))
+            handed_out=s.counters.handed_out, age_s_sum=s.age_s_sum, staleness=dict(s.staleness))
 
     def metrics(self) -> dict[str, float]:
         """The statistics as ``queue/*`` and ``rollout/staleness_*`` gauges."""
@@ -325,8 +338,7 @@ class RolloutReceiver:
         return out
 
 
-def create_rollout_queue(config: QueueConfig, clock: VersionClock,
-                  counters: GroupCounters | None = None) -> tuple[RolloutSender, RolloutReceiver]:
-    """A new queue's two ends. ``counters`` is the pipeline's group accounting (a new one if None)."""
-    state = _State(config, clock, counters if counters is not None else GroupCounters())
+def create_rollout_queue(config: QueueConfig, clock: VersionClock) -> tuple[RolloutSender, RolloutReceiver]:
+    """A new queue's two ends; its books are the receiver's ``counters``."""
+    state = _State(config, clock)
     return RolloutSender(state), RolloutReceiver(state)
