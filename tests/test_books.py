@@ -19,7 +19,7 @@ from asyncrl import (
 from asyncrl.actors.learner import Learner, LearnerCounters
 from asyncrl.actors.producer import ProducerCounters
 from asyncrl.actors.weight_sync import WeightSync
-from asyncrl.algorithms.losses import LossOutput
+from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.checkpoint import TrainingState, latest, restore, resume_pipeline
 from asyncrl.checkpoint.store import restored_counters, state_meta
 from asyncrl.counters import Drops, add_up
@@ -31,7 +31,7 @@ QUEUE_REASONS = {DropReason.STALE, DropReason.UNUSED_AT_SHUTDOWN}  # all a queue
 OLD_CHECKPOINTS = Path(__file__).parent / "data" / "checkpoint_259b0a0"  # written by the code at 259b0a0
 
 
-class ZeroLoss:
+class ZeroLoss(Loss):
     """Trains nothing; raises on the steps listed in ``fail_at`` (1-based)."""
 
     min_group_size = 1
