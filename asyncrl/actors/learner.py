@@ -29,6 +29,7 @@ from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
+from asyncrl.queues.lengths import trained_gauges
 from asyncrl.queues.rollout_queue import RolloutReceiver
 from asyncrl.types import DropReason, RolloutGroup, SyncTiming
 
@@ -69,6 +70,7 @@ class Learner:
         self.monitor = monitor or NullMonitor()
         self.step = step  # optimiser steps taken
         self.samples_trained = 0  # rollouts that reached the loss
+        self.tokens_trained = 0  # completion (model) tokens of those rollouts
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
@@ -147,6 +149,10 @@ class Learner:
         self.receiver.counters.trained += len(batch)
         metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness_batch_max"] = max(staleness)
+        metrics.update(trained_gauges(batch, staleness, self.receiver.config.max_staleness))
+        self.tokens_trained += sum(g.num_tokens for g in batch)
+        metrics["tokens/trained"] = self.tokens_trained
+        metrics["length/trained_mean_all"] = self.tokens_trained / self.samples_trained
         timing = None
         if self.step % self.config.sync.every == 0:
             timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())
