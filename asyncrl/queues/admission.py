@@ -28,7 +28,7 @@ from typing import Protocol
 from asyncrl.errors import QueueClosed
 from asyncrl.versions import VersionClock
 
-__all__ = ["Admission", "AdmissionGate", "OPEN", "OpenAdmission", "admits"]
+__all__ = ["OPEN", "Admission", "AdmissionGate", "OpenAdmission", "admits"]
 
 
 def admits(admitted: int, served: int, origin: int, max_staleness: int, per_version: int, offset: int = 0) -> bool:

@@ -48,12 +48,12 @@ def is_fresh(group: RolloutGroup, policy_version: int, max_staleness: int) -> bo
 class QueueStatistics(NamedTuple):
     """A snapshot of one rollout queue (times in seconds)."""
 
-    depth: int  # groups queued now
+    depth: int  # groups queued now (held for an earlier ticket included)
     capacity: int
     open_senders: int  # sending ends not closed yet
     waiting_senders: int  # sends blocked on a full queue right now
     receiver_closed: bool
-    max_depth: int  # highest depth ever seen (never above capacity)
+    max_depth: int  # most groups ever released to the learner's side at once (never above capacity)
     sends_blocked: int  # sends that had to wait for room
     send_wait_s: float  # total time sends spent blocked on a full queue
     receive_wait_s: float  # total time the receiver spent waiting for groups
@@ -289,7 +289,8 @@ class RolloutReceiver:
         return group_id in self._state.seen_ids
 
     async def receive_batch(self, size: int) -> list[RolloutGroup]:
-        """Take ``size`` fresh groups (FIFO), dropping stale ones on the way; waits until they exist.
+        """Take ``size`` fresh groups (in ticket order, else FIFO), dropping stale ones on the way; waits until they
+        exist.
 
         Raises ``EndOfRollouts`` once every sender is closed and the queue is empty (groups taken for the
         unfinished batch are counted as unused)."""
@@ -349,7 +350,7 @@ class RolloutReceiver:
     def statistics(self) -> QueueStatistics:
         s = self._state
         return QueueStatistics(
-            depth=len(s.items), capacity=s.config.capacity, open_senders=s.open_senders,
+            depth=len(s.items) + len(s.held), capacity=s.config.capacity, open_senders=s.open_senders,
             waiting_senders=len(s.room), receiver_closed=s.receiver_closed, max_depth=s.max_depth,
             sends_blocked=s.sends_blocked, send_wait_s=s.send_wait_s, receive_wait_s=s.receive_wait_s,
             handed_out=s.handed_out, age_s_sum=s.age_s_sum, staleness=dict(s.staleness))
