@@ -147,9 +147,15 @@ class QueueConfig:
     # the overlap saves (bench/learning.py: async at 2 beats sync in wall time at equal accuracy; at 1 it
     # does not); at 4 accuracy suffers even with the importance-weight correction.
     max_staleness: int = 2
+    # Staleness-aware admission (``asyncrl.queues.admission``): a producer starts a group only if it can be trained
+    # within ``max_staleness``, and the learner takes groups in start order, so long groups are not dropped as
+    # stale and batches keep the policy's length distribution. False: start whenever there is room and train in
+    # finish order (stale groups dropped). Used by ``grpo_pipeline``.
+    admission: bool = True
 
     def __post_init__(self) -> None:
         _positive_ints(self, "capacity")
+        _require(isinstance(self.admission, bool), self, "admission", f"must be a bool, got {self.admission!r}")
         _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, self, "max_staleness",
                  f"must be a non-negative integer, got {self.max_staleness!r}")
 

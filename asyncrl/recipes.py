@@ -18,6 +18,7 @@ from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.episodes.types import EnvFactory
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
+from asyncrl.queues.admission import OPEN, AdmissionGate
 from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
@@ -51,10 +52,11 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     check_group_size(loss, config)
     source = prompts if isinstance(prompts, PromptSource) else PromptSource(prompts)
     clock = VersionClock(engine.version)
-    sender, receiver = create_rollout_queue(config.queue, clock)
+    gate = admission_gate(config, clock, step)
+    sender, receiver = create_rollout_queue(config.queue, clock, gate=gate)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
         producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer, name=f"producer-{i}",
-                              env=env)
+                              env=env, admission=gate or OPEN)
                      for i in range(config.num_producers)]
     sync = WeightSync(target or engine, clock, config.learner.sync)
     if backend is not None:
@@ -64,6 +66,16 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
         optimizer = optimizer or default_optimizer(model, config.learner)
         learner = Learner(model, optimizer, loss, receiver, sync, config.learner, monitor=monitor, step=step)
     return Pipeline(engine, producers, learner, config, close_engine=close_engine)
+
+
+def admission_gate(config: PipelineConfig, clock: VersionClock, step: int = 0) -> AdmissionGate | None:
+    """The pipeline's admission gate (``QueueConfig.admission``): the learner consumes ``batch_groups * every``
+    groups per version, and a run resumed at ``step`` is that far into its publication cycle."""
+    if not config.queue.admission:
+        return None
+    learner = config.learner
+    return AdmissionGate(clock, config.queue.max_staleness, learner.batch_groups * learner.sync.every,
+                         offset=(step % learner.sync.every) * learner.batch_groups)
 
 
 def _check_backend_alone(model: object, *owned_by_backend: object) -> None:

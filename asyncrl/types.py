@@ -143,6 +143,8 @@ class RolloutGroup:
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
     meta: Mapping[str, Any] = field(default_factory=dict)  # free-form producer metadata
+    # Its place in start order from the pipeline's ``AdmissionGate`` (None: not gated); not sent over the wire
+    ticket: int | None = field(default=None, compare=False)
 
     @property
     def oldest_version(self) -> int:

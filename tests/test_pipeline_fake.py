@@ -72,7 +72,8 @@ def config(**kw) -> PipelineConfig:
         producer=ProducerConfig(sampling=sampling, max_inflight_groups=kw.pop("inflight", 4),
                                 on_invalid=kw.pop("on_invalid", InvalidGroupPolicy.DROP),
                                 on_abort=kw.pop("on_abort", AbortPolicy.RESUBMIT)),
-        queue=QueueConfig(capacity=kw.pop("capacity", 8), max_staleness=kw.pop("max_staleness", 1)),
+        queue=QueueConfig(capacity=kw.pop("capacity", 8), max_staleness=kw.pop("max_staleness", 1),
+                          admission=kw.pop("admission", True)),
         learner=LearnerConfig(batch_groups=kw.pop("batch", 2), sync=SyncConfig(every=kw.pop("every", 1))),
         num_producers=kw.pop("producers", 1),
     )
@@ -129,7 +130,8 @@ def test_grpo_pipeline_refuses_a_model_beside_a_backend():
 
 async def test_stale_groups_never_reach_the_loss_and_are_counted():
     engine = FakeEngine(token_delay_s=0.001)
-    pipe = make_pipeline(engine, prompts(1000), config(max_staleness=0, capacity=8, batch=2, inflight=8))
+    cfg = config(max_staleness=0, capacity=8, batch=2, inflight=8, admission=False)  # gated: nothing goes stale
+    pipe = make_pipeline(engine, prompts(1000), cfg)
     stats = await pipe.run(steps=8)
     loss = pipe.learner.loss
     assert loss.seen and all(staleness <= 0 for _, staleness in loss.seen)
@@ -141,7 +143,8 @@ async def test_backpressure_blocks_producers_and_bounds_the_queue():
     gate = threading.Event()
     engine = FakeEngine()
     loss = RecordingLoss(gate=gate)
-    pipe = make_pipeline(engine, prompts(10_000), config(capacity=3, batch=2, inflight=4, producers=2), loss=loss)
+    cfg = config(capacity=3, batch=2, inflight=4, producers=2, admission=False)  # the bound when ungated
+    pipe = make_pipeline(engine, prompts(10_000), cfg, loss=loss)
     blocked = asyncio.Event()
     for p in pipe.producers:
         p.sink = SignallingSink(p.sink, pipe.receiver, blocked)

@@ -33,10 +33,11 @@ def reward(prompt, sample) -> float:
     return arithmetic.reward(sample.text, prompt.answer)
 
 
-def pipeline_config(*, mode=PauseMode.KEEP, max_staleness=1, capacity=8, batch=2, inflight=4, every=1):
+def pipeline_config(*, mode=PauseMode.KEEP, max_staleness=1, capacity=8, batch=2, inflight=4, every=1,
+                    admission=True):
     return PipelineConfig(
         producer=ProducerConfig(sampling=SamplingConfig(n=4, max_tokens=6), max_inflight_groups=inflight),
-        queue=QueueConfig(capacity=capacity, max_staleness=max_staleness),
+        queue=QueueConfig(capacity=capacity, max_staleness=max_staleness, admission=admission),
         # Every group reaches the loss (the tiny random model earns no reward, so all groups would be inert
         # and skipped), so the recording loss sees what the learner trained on.
         learner=LearnerConfig(batch_groups=batch, lr=1e-4, skip_inert_groups=False,
@@ -87,7 +88,8 @@ async def test_staleness_bound_holds_and_every_group_is_accounted(vllm_engine, t
 async def test_backpressure_with_a_slow_learner(vllm_engine, tiny_model_dir, tokenizer):
     gate = threading.Event()
     loss = Recording(tokenizer, gate=gate)
-    pipe = build(vllm_engine, tiny_model_dir, tokenizer, pipeline_config(capacity=3, batch=2, inflight=3), loss)
+    cfg = pipeline_config(capacity=3, batch=2, inflight=3, admission=False)  # the queue's bound, when ungated
+    pipe = build(vllm_engine, tiny_model_dir, tokenizer, cfg, loss)
     full = asyncio.Event()
     for p in pipe.producers:  # a producer is about to block on the full queue: ``full`` is set
         p.sink = SignallingSink(p.sink, pipe.receiver, full)

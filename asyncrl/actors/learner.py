@@ -30,6 +30,7 @@ from asyncrl.config import LearnerConfig
 from asyncrl.counters import Books, Drops, GroupTotals
 from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
+from asyncrl.queues.lengths import trained_gauges
 from asyncrl.queues.rollout_queue import RolloutReceiver
 from asyncrl.types import DropReason, RolloutGroup, SyncTiming
 
@@ -55,6 +56,7 @@ class LearnerCounters:
 
     groups_trained: int = 0  # groups that reached the loss
     samples_trained: int = 0  # rollouts in those groups
+    tokens_trained: int = 0  # completion (model) tokens of those rollouts
     dropped: Drops = field(default_factory=Drops)  # groups whose step failed or was cancelled, by reason
 
 
@@ -165,6 +167,10 @@ class Learner:
         self.counters.samples_trained += sum(len(g.rollouts) for g in batch)
         metrics["rollout/staleness_batch_mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness_batch_max"] = max(staleness)
+        metrics.update(trained_gauges(batch, staleness, self.receiver.config.max_staleness))
+        self.counters.tokens_trained += sum(g.num_tokens for g in batch)
+        metrics["tokens/trained"] = self.counters.tokens_trained
+        metrics["length/trained_mean_all"] = self.counters.tokens_trained / self.counters.samples_trained
         timing = None
         if self.step % self.config.sync.every == 0:
             timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())

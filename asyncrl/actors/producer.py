@@ -13,13 +13,17 @@ Episodes: a producer given ``env`` (an ``EnvFactory``) plays ``n`` multi-turn ep
 ``EpisodeRunner`` instead of sampling ``n`` completions. A rollout's reward is the sum of its environment's step
 rewards, plus ``reward_fn(prompt, trajectory)`` when one is given (``reward_fn=None``: the environment's alone).
 Whatever drops a group on the way (``RolloutDropped``: environment, tool, reward) is counted under its reason.
+
+Admission: before starting a group the producer waits on its ``admission`` (the pipeline's ``AdmissionGate``,
+shared by every producer: a group starts only if it can be trained within ``max_staleness``); a group that
+never reaches the sink withdraws its ticket. The default, ``OPEN``, starts groups at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from asyncrl.actors.rewards import RewardFn, RewardScorer
@@ -30,6 +34,7 @@ from asyncrl.engines.protocols import PromptRejected, Sampler
 from asyncrl.episodes.runner import EpisodeRunner, episode_metrics
 from asyncrl.episodes.types import EnvFactory
 from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed, RolloutDropped
+from asyncrl.queues.admission import OPEN, Admission
 from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
@@ -72,7 +77,7 @@ class Producer:
 
     def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
                  config: ProducerConfig | None = None, name: str = "producer", *,
-                 env: EnvFactory | None = None) -> None:
+                 env: EnvFactory | None = None, admission: Admission = OPEN) -> None:
         if reward_fn is None and env is None:
             raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, or both")
         self.sampler = sampler
@@ -82,6 +87,7 @@ class Producer:
         self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
         self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
         self.name = name
+        self.admission = admission  # asked before each group starts (run() only; produce_one is ungated)
         self.counters = ProducerCounters()
         self.in_flight = 0  # groups being generated or scored right now
 
@@ -105,8 +111,12 @@ class Producer:
 
     async def _guarded(self, index: int, prompt: Prompt) -> None:
         self.in_flight += 1
+        ticket = None
         try:
-            await self.produce_one(index, prompt)
+            ticket = await self.admission.admit()
+            if await self.produce_one(index, prompt, ticket) is None:
+                self.admission.withdraw(ticket)
+            ticket = None  # sent: the queue owns its place now
         except NoProgressError:
             raise  # raised after this group was counted as dropped
         except BaseException:
@@ -114,16 +124,18 @@ class Producer:
             self.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN)
             raise
         finally:
+            self.admission.withdraw(ticket)  # None once sent or withdrawn
             self.in_flight -= 1
 
-    async def produce_one(self, index: int, prompt: Prompt) -> RolloutGroup | None:
-        """Generate, score and ship the group for one prompt; None if it was dropped (and counted)."""
+    async def produce_one(self, index: int, prompt: Prompt, ticket: int | None = None) -> RolloutGroup | None:
+        """Generate, score and ship the group for one prompt (with its admission ``ticket``); None if it was
+        dropped (and counted)."""
         group_id = f"{prompt.prompt_id}#{index}"
         try:
             group = await self._build_group(group_id, prompt)
         except RolloutDropped as drop:
             return self._drop(group_id, drop)
-        stored = await self.sink.send(group)
+        stored = await self.sink.send(group if ticket is None else replace(group, ticket=ticket))
         c = self.counters
         c.groups += 1
         c.samples += len(group.rollouts)

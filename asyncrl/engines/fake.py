@@ -4,14 +4,16 @@ It plays all three engine roles and follows their pause semantics: ``abort`` cut
 freezes them until resume, ``wait`` returns once they finish. Tokens are produced one per ``token_delay_s`` (0 = all at
 once), each with log-prob ``logprob``; token ``t`` of sample ``i`` is ``(sum(prompt) + i + t) % vocab_size``, so a
 multi-turn context changes what comes next. A token in ``stop_token_ids`` ends the sample (``stop``). A prompt id
-outside ``[0, vocab_size)`` is refused, as a real engine refuses it.
+outside ``[0, vocab_size)`` is refused, as a real engine refuses it. ``length_fn(prompt_ids, index)``, if given, is
+sample ``index``'s completion length (it stops there, capped by ``max_tokens``): random or heavy-tailed lengths for
+scheduling tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.death import Death
@@ -21,8 +23,10 @@ from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 class FakeEngine(Engine):
     def __init__(self, *, token_delay_s: float = 0.0, max_model_len: int = 256, logprob: float = -1.0,
-                 vocab_size: int = 100, name: str = "fake") -> None:
+                 vocab_size: int = 100, name: str = "fake",
+                 length_fn: Callable[[tuple[int, ...], int], int] | None = None) -> None:
         self.name = name
+        self.length_fn = length_fn
         self._version = 0
         self._max_model_len = max_model_len
         self.token_delay_s = token_delay_s
@@ -98,7 +102,9 @@ class FakeEngine(Engine):
         # the end rather than a new VersionSpan per token
         starts: list[tuple[int, int]] = []
         stop = params.stop_token_ids
-        for t in range(params.max_tokens):
+        limit = params.max_tokens if self.length_fn is None else min(params.max_tokens,
+                                                                       self.length_fn(prompt_ids, index))
+        for t in range(limit):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             if self._abort_epoch != epoch:
@@ -114,7 +120,7 @@ class FakeEngine(Engine):
             self.token_produced.set()
             if stop and tokens[-1] in stop:
                 return self._sample(tokens, starts, FinishReason.STOP)
-        return self._sample(tokens, starts, FinishReason.LENGTH)
+        return self._sample(tokens, starts, FinishReason.LENGTH if limit == params.max_tokens else FinishReason.STOP)
 
     def _sample(self, tokens: list[int], starts: list[tuple[int, int]], reason: FinishReason) -> Sample:
         ids = tuple(tokens)

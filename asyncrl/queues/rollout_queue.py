@@ -13,6 +13,12 @@ Staleness is enforced where the learner consumes: a group more than ``max_stalen
 clock's ``policy`` version is dropped, counted, and never reaches the loss. The queue also learns of every
 version change from the ``VersionClock`` and drops queued groups that just became too stale, so their room
 goes back to the producers at once.
+
+With an ``AdmissionGate`` (``asyncrl.queues.admission``) groups carry admission tickets, and the learner gets
+them in ticket (start) order: a group that finished before an earlier-started one is held until that one arrives
+or is withdrawn. Held groups are bounded by the gate's window, not by ``capacity`` (which bounds the released
+ones), and a ticketed send never waits. Groups without a ticket (remote producers, synchronous mode) are
+released on arrival.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import NamedTuple
 from asyncrl.config import QueueConfig
 from asyncrl.counters import Drops
 from asyncrl.errors import EndOfRollouts, QueueClosed
+from asyncrl.queues.admission import AdmissionGate
+from asyncrl.queues.lengths import TokenBooks
 from asyncrl.types import DropReason, RolloutGroup
 from asyncrl.versions import VersionClock
 
@@ -41,12 +49,12 @@ def is_fresh(group: RolloutGroup, policy_version: int, max_staleness: int) -> bo
 class QueueStatistics(NamedTuple):
     """A snapshot of one rollout queue (times in seconds)."""
 
-    depth: int  # groups queued now
+    depth: int  # groups queued now (held for an earlier ticket included)
     capacity: int
     open_senders: int  # sending ends not closed yet
     waiting_senders: int  # sends blocked on a full queue right now
     receiver_closed: bool
-    max_depth: int  # highest depth ever seen (never above capacity)
+    max_depth: int  # most groups ever released to the learner's side at once (never above capacity)
     sends_blocked: int  # sends that had to wait for room
     send_wait_s: float  # total time sends spent blocked on a full queue
     receive_wait_s: float  # total time the receiver spent waiting for groups
@@ -100,8 +108,11 @@ class _Waiters:
 class _State:
     """What both ends share."""
 
-    def __init__(self, config: QueueConfig, clock: VersionClock) -> None:
+    def __init__(self, config: QueueConfig, clock: VersionClock, gate: AdmissionGate | None = None) -> None:
         self.config = config
+        self.gate = gate
+        self.held: dict[int, tuple[float, RolloutGroup]] = {}  # ticket -> group waiting for an earlier ticket
+        self.tokens = TokenBooks()
         self.clock = clock
         self.counters = QueueCounters()
         self.items: deque[tuple[float, RolloutGroup]] = deque()  # (arrival time, group)
@@ -117,6 +128,7 @@ class _State:
         self.age_s_sum = 0.0
         self.staleness: Counter[int] = Counter()
         self.unsubscribe = clock.observe(self.on_version)
+        self.unsubscribe_gate = gate.observe(self.release_due) if gate is not None else lambda: None
 
     def full(self) -> bool:
         return len(self.items) >= self.config.capacity and not self.receiver_closed
@@ -125,20 +137,45 @@ class _State:
         self.seen_ids[group.group_id] = None
         if len(self.seen_ids) > SEEN_IDS_LIMIT:
             self.seen_ids.popitem(last=False)
-        self.items.append((time.monotonic(), group))
         self.counters.entered += 1
+        self.tokens.generated(group)
+        if group.ticket is not None and self.gate is not None:
+            self.held[group.ticket] = (time.monotonic(), group)
+            self.release_due()
+            return
+        self.append(time.monotonic(), group)
+
+    def append(self, arrived: float, group: RolloutGroup) -> None:
+        self.items.append((arrived, group))
         if len(self.items) > self.max_depth:
             self.max_depth = len(self.items)
         self.arrivals.notify_all()
+
+    def release_due(self) -> None:
+        """Move held groups to the learner's side in ticket order, while there is room."""
+        gate = self.gate
+        while gate is not None and gate.next_due in self.held and not self.full():
+            ticket = gate.next_due
+            self.append(*self.held.pop(ticket))
+            gate.release(ticket)
+
+    def drop(self, reason: DropReason, groups: list[RolloutGroup]) -> None:
+        """Count queued ``groups`` as dropped; their admission places go to the next groups."""
+        self.counters.dropped.add(reason, len(groups))
+        self.tokens.dropped(reason, groups)
+        for g in groups:
+            if self.gate is not None:
+                self.gate.withdraw(g.ticket)
 
     def on_version(self, clock: VersionClock) -> None:
         """Drop queued groups that the new policy version made too stale (``receive_batch`` would anyway)."""
         policy, limit = clock.policy, self.config.max_staleness
         keep = deque(item for item in self.items if item[1].staleness(policy) <= limit)
-        dropped = len(self.items) - len(keep)
-        if dropped:
+        if len(keep) < len(self.items):
+            stale = [g for _, g in self.items if g.staleness(policy) > limit]
             self.items = keep
-            self.counters.dropped.add(DropReason.STALE, dropped)
+            self.drop(DropReason.STALE, stale)
+            self.release_due()
             self.room.notify_all()
 
     def close_receiver(self) -> None:
@@ -146,9 +183,13 @@ class _State:
             return
         self.receiver_closed = True
         self.unsubscribe()
-        if self.items:
-            self.counters.dropped.add(DropReason.UNUSED_AT_SHUTDOWN, len(self.items))
-            self.items.clear()
+        self.unsubscribe_gate()
+        if self.gate is not None:
+            self.gate.close()  # first: the places that the drops below free go to nobody
+        left = [g for _, g in self.items] + [g for _, g in self.held.values()]
+        self.items.clear()
+        self.held.clear()
+        self.drop(DropReason.UNUSED_AT_SHUTDOWN, left)
         self.room.notify_all()
         self.arrivals.notify_all()
 
@@ -187,15 +228,20 @@ class RolloutSender:
         if state.receiver_closed:
             raise QueueClosed("the rollout queue's receiver is closed")
         if group.group_id in state.seen_ids:
-            return False
-        if state.full():
+            return self._refuse(group)
+        if state.full() and (group.ticket is None or state.gate is None):  # held groups need no room
             await self._wait_for_room()
             if group.group_id in state.seen_ids:  # a retry of this group was stored while we waited
-                return False
+                return self._refuse(group)
         if state.receiver_closed:
             raise QueueClosed("the rollout queue's receiver is closed")
         state.accept(group)  # no await since the checks: nothing can have changed in between
         return True
+
+    def _refuse(self, group: RolloutGroup) -> bool:
+        if self._state.gate is not None:  # a duplicate takes no place in a batch
+            self._state.gate.withdraw(group.ticket)
+        return False
 
     async def _wait_for_room(self) -> None:
         state = self._state
@@ -245,7 +291,8 @@ class RolloutReceiver:
 
     @property
     def depth(self) -> int:
-        return len(self._state.items)
+        """Groups in the queue: released to the learner's side, or held for an earlier ticket."""
+        return len(self._state.items) + len(self._state.held)
 
     @property
     def closed(self) -> bool:
@@ -255,7 +302,8 @@ class RolloutReceiver:
         return group_id in self._state.seen_ids
 
     async def receive_batch(self, size: int) -> list[RolloutGroup]:
-        """Take ``size`` fresh groups (FIFO), dropping stale ones on the way; waits until they exist.
+        """Take ``size`` fresh groups (in ticket order, else FIFO), dropping stale ones on the way; waits until they
+        exist.
 
         Raises ``EndOfRollouts`` once every sender is closed and the queue is empty (groups taken for the
         unfinished batch are counted as unused)."""
@@ -298,10 +346,11 @@ class RolloutReceiver:
             arrived, group = state.items.popleft()
             staleness = group.staleness(policy)
             if staleness > limit:
-                state.counters.dropped.add(DropReason.STALE)
+                state.drop(DropReason.STALE, [group])
                 continue
             taken.append((staleness, now - arrived))
             batch.append(group)
+            state.release_due()  # the room just made may let held groups follow in order
         state.room.notify_all()
 
     def close(self) -> None:
@@ -317,7 +366,7 @@ class RolloutReceiver:
     def statistics(self) -> QueueStatistics:
         s = self._state
         return QueueStatistics(
-            depth=len(s.items), capacity=s.config.capacity, open_senders=s.open_senders,
+            depth=len(s.items) + len(s.held), capacity=s.config.capacity, open_senders=s.open_senders,
             waiting_senders=len(s.room), receiver_closed=s.receiver_closed, max_depth=s.max_depth,
             sends_blocked=s.sends_blocked, send_wait_s=s.send_wait_s, receive_wait_s=s.receive_wait_s,
             handed_out=s.counters.handed_out, age_s_sum=s.age_s_sum, staleness=dict(s.staleness))
@@ -335,10 +384,16 @@ class RolloutReceiver:
             "rollout/staleness_max": max(st.staleness, default=0),
         }
         out.update({f"rollout/staleness_hist_{s}": c for s, c in sorted(st.staleness.items())})
+        out.update(self._state.tokens.metrics())
+        out["queue/held"] = len(self._state.held)
+        if self._state.gate is not None:
+            out.update(self._state.gate.metrics())
         return out
 
 
-def create_rollout_queue(config: QueueConfig, clock: VersionClock) -> tuple[RolloutSender, RolloutReceiver]:
-    """A new queue's two ends; its books are the receiver's ``counters``."""
-    state = _State(config, clock)
+def create_rollout_queue(config: QueueConfig, clock: VersionClock,
+                         gate: AdmissionGate | None = None) -> tuple[RolloutSender, RolloutReceiver]:
+    """A new queue's two ends; its books are the receiver's ``counters``. ``gate`` is the producers' admission
+    gate, whose tickets set the order groups are handed out in (None: arrival order)."""
+    state = _State(config, clock, gate)
     return RolloutSender(state), RolloutReceiver(state)
