@@ -67,6 +67,8 @@ def _config_error(cls: type, exc: pydantic.ValidationError) -> ConfigError:
     where = ".".join(str(part) for part in loc)
     name = f"{cls.__name__}.{where}" if where else cls.__name__
     message = str(cause) if cause is not None else error["msg"]
+    if error["type"] == "unexpected_keyword_argument":
+        return ConfigError(name, f"is not a {cls.__name__} field")
     if "input" in error and not error["type"].startswith("value_error") and error["type"] != "missing":
         message += f", got {error['input']!r}"
     return ConfigError(name, message)

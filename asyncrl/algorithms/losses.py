@@ -19,65 +19,65 @@ a single-turn sample (no mask) gives exactly the numbers it gave before masks ex
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Annotated, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from asyncrl.algorithms.advantages import ESTIMATORS, Estimator, group_advantages
+from asyncrl.algorithms.advantages import Estimator, group_advantages
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.algorithms.rows import to_device
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, SamplingConfig
+from asyncrl.config_base import Flag, NonNegativeFloat, config
 from asyncrl.types import Rollout, RolloutGroup
 
-LengthNorm = Literal["token_mean", "seq_mean", "dr_grpo"]
-IsLevel = Literal["token", "sequence", "none"]
-LENGTH_NORMS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
+
+class LengthNorm(str, enum.Enum):
+    """How per-token terms become a scalar (see ``normalise``)."""
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN = "seq_mean"
+    DR_GRPO = "dr_grpo"
 
 
-@dataclass(frozen=True, slots=True)
+class IsLevel(str, enum.Enum):
+    """Where the proximal/behaviour importance weight applies."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    NONE = "none"
+
+
+@config
 class LossConfig:
-    """The policy loss. Defaults: GRPO advantages, DAPO's asymmetric clip, token-level IS truncation."""
+    """The policy loss. Defaults: GRPO advantages, DAPO's asymmetric clip, token-level IS truncation. The
+    scoring temperature and the token budget are not here: ``GRPOLoss`` takes them from ``SamplingConfig``."""
 
-    estimator: Estimator = "grpo"  # baseline: "grpo" (group mean) or "rloo" (mean of the other rollouts)
-    scale_by_std: bool = True  # divide advantages by the group's reward std (False with "grpo" = Dr. GRPO)
-    length_norm: LengthNorm = "token_mean"  # how per-token terms become a scalar (see ``normalise``)
-    max_tokens: int = 0  # per-sequence token budget, the "dr_grpo" denominator (set to sampling max_tokens)
-    clip_low: float = 0.2  # the ratio to the proximal policy is clipped below at 1 - clip_low
-    clip_high: float = 0.28  # ... and above at 1 + clip_high (a higher top keeps rare tokens learnable)
-    is_level: IsLevel = "token"  # proximal/behaviour importance weight per token, per sequence, or none
-    is_cap: float = 2.0  # importance weights are truncated at this value (math.inf = no truncation)
-    kl_coef: float = 0.0  # weight of the k3 KL penalty towards a frozen reference (0 = no reference)
-    entropy_coef: float = 0.0  # weight of the entropy bonus (0 = entropy is not computed)
-    temperature: float = 1.0  # logits are divided by this before scoring; use the sampling temperature
-
-    def __post_init__(self) -> None:
-        _check(self.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}, got {self.estimator!r}")
-        _check(isinstance(self.scale_by_std, bool), "scale_by_std", f"must be a bool, got {self.scale_by_std!r}")
-        _check(self.length_norm in LENGTH_NORMS, "length_norm",
-               f"must be one of {LENGTH_NORMS}, got {self.length_norm!r}")
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-               and self.max_tokens >= 0, "max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
-        _check(self.length_norm != "dr_grpo" or self.max_tokens > 0, "max_tokens",
-               "must be > 0 with length_norm='dr_grpo' (it is the constant per-sequence denominator)")
-        _check(0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1), got {self.clip_low!r}")
-        _check(0 <= self.clip_high < math.inf, "clip_high", f"must be finite and >= 0, got {self.clip_high!r}")
-        _check(self.is_level in IS_LEVELS, "is_level", f"must be one of {IS_LEVELS}, got {self.is_level!r}")
-        _check(self.is_cap > 0, "is_cap", f"must be > 0 (math.inf disables truncation), got {self.is_cap!r}")
-        _check(0 <= self.kl_coef < math.inf, "kl_coef", f"must be finite and >= 0, got {self.kl_coef!r}")
-        _check(0 <= self.entropy_coef < math.inf, "entropy_coef",
-               f"must be finite and >= 0, got {self.entropy_coef!r}")
-        _check(0 < self.temperature < math.inf, "temperature", f"must be finite and > 0, got {self.temperature!r}")
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"LossConfig.{name}", message)
+    estimator: Annotated[Estimator, Field(description=(
+        "baseline: 'grpo' (group mean) or 'rloo' (mean of the other rollouts)"))] = Estimator.GRPO
+    scale_by_std: Annotated[Flag, Field(description=(
+        "divide advantages by the group's reward std (False with 'grpo' = Dr. GRPO)"))] = True
+    length_norm: Annotated[LengthNorm, Field(description=(
+        "how per-token terms become a scalar (see ``normalise``); 'dr_grpo' divides by the sampling "
+        "max_tokens"))] = LengthNorm.TOKEN_MEAN
+    clip_low: Annotated[float, Field(strict=True, ge=0, lt=1, description=(
+        "the ratio to the proximal policy is clipped below at 1 - clip_low"))] = 0.2
+    clip_high: Annotated[NonNegativeFloat, Field(description=(
+        "... and above at 1 + clip_high (a higher top keeps rare tokens learnable)"))] = 0.28
+    is_level: Annotated[IsLevel, Field(description=(
+        "proximal/behaviour importance weight per token, per sequence, or none"))] = IsLevel.TOKEN
+    is_cap: Annotated[float, Field(strict=True, gt=0, description=(
+        "importance weights are truncated at this value (math.inf = no truncation)"))] = 2.0
+    kl_coef: Annotated[NonNegativeFloat, Field(description=(
+        "weight of the k3 KL penalty towards a frozen reference (0 = no reference)"))] = 0.0
+    entropy_coef: Annotated[NonNegativeFloat, Field(description=(
+        "weight of the entropy bonus (0 = entropy is not computed)"))] = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +117,7 @@ class SkipsInertGroups(Protocol):
 
 
 def importance_weights(
-    old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, level: IsLevel, cap: float
+    old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, level: IsLevel | str, cap: float
 ) -> tuple[Tensor, Tensor]:
     """Truncated proximal/behaviour weights ``[B, T]`` and a float flag of where the cap bit, both detached.
 
@@ -149,18 +149,21 @@ def k3(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig, max_tokens: int = 0) -> Tensor:
     """Reduce ``[B, T]`` terms to a scalar.
 
     - ``token_mean``: sum over every token / number of tokens (long sequences weigh more in total).
     - ``seq_mean``: mean over each sequence's tokens, then over sequences that have any (GRPO's original).
-    - ``dr_grpo``: sum over every token / (B * max_tokens), a constant, so no length bias enters the gradient.
+    - ``dr_grpo``: sum over every token / (B * max_tokens), a constant, so no length bias enters the gradient
+      (``max_tokens``: the sampling token budget, > 0).
     """
     total = (per_token * mask).sum()
     if cfg.length_norm == "token_mean":
         return total / mask.sum().clamp(min=1)
     if cfg.length_norm == "dr_grpo":
-        return total / (mask.shape[0] * cfg.max_tokens)
+        if max_tokens <= 0:
+            raise ValueError(f"length_norm='dr_grpo' needs the sampling max_tokens (> 0), got {max_tokens}")
+        return total / (mask.shape[0] * max_tokens)
     lengths = mask.sum(dim=-1)
     per_sequence = (per_token * mask).sum(dim=-1) / lengths.clamp(min=1)
     return per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
@@ -180,20 +183,22 @@ def policy_loss(
     cfg: LossConfig,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    max_tokens: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics (detached
     0-dim tensors).
 
     ``logp`` (current, with grad), ``old_logp`` (proximal; pass ``logp.detach()`` when the learner has no
     separate one), ``behaviour_logp``, ``ref_logp``, ``entropy`` and ``mask`` are ``[B, T]``;
-    ``advantages`` is ``[B]``. Values at padding are ignored.
+    ``advantages`` is ``[B]``. Values at padding are ignored. ``max_tokens`` is the sampling token budget,
+    needed by ``length_norm='dr_grpo'``.
     """
     _check_shapes(logp, old_logp, behaviour_logp, advantages, mask, ref_logp, entropy, cfg)
     mask = mask.to(logp.dtype)
     logp = torch.where(mask > 0, logp, old_logp.detach())  # padding gets ratio 1 whatever it holds
     weight, truncated = importance_weights(old_logp, behaviour_logp, mask, cfg.is_level, cfg.is_cap)
     surrogate, clipped = clipped_surrogate(logp, old_logp, advantages[:, None], cfg.clip_low, cfg.clip_high)
-    policy = normalise(-(weight * surrogate), mask, cfg)
+    policy = normalise(-(weight * surrogate), mask, cfg, max_tokens)
     loss = policy
     behaviour_log_ratio = torch.where(mask > 0, old_logp - behaviour_logp, 0.0).detach()
     metrics = {
@@ -206,10 +211,10 @@ def policy_loss(
     }
     if ref_logp is not None:
         kl = k3(torch.where(mask > 0, ref_logp.detach() - logp, 0.0))
-        loss = loss + cfg.kl_coef * normalise(kl, mask, cfg)
+        loss = loss + cfg.kl_coef * normalise(kl, mask, cfg, max_tokens)
         metrics["loss/kl"] = masked_mean(kl, mask)
     if entropy is not None:
-        loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg)
+        loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg, max_tokens)
         metrics["loss/entropy"] = masked_mean(entropy, mask)
     metrics["loss/total"] = loss.detach()
     return loss, metrics
@@ -242,10 +247,16 @@ class GRPOLoss:
 
     min_group_size = 2  # a single sample has no group baseline: its advantage is 0 and nothing is learned
 
-    def __init__(self, cfg: LossConfig, *, pad_id: int = 0, ref_model: torch.nn.Module | None = None) -> None:
+    def __init__(self, cfg: LossConfig, *, sampling: SamplingConfig | None = None, pad_id: int = 0,
+                 ref_model: torch.nn.Module | None = None) -> None:
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("LossConfig.kl_coef > 0 needs a ref_model")
+        if sampling is None and cfg.length_norm == LengthNorm.DR_GRPO:
+            raise ConfigError("GRPOLoss.sampling", "length_norm='dr_grpo' divides by the sampling max_tokens: "
+                                                   "pass the SamplingConfig the groups are sampled with")
         self.cfg = cfg  # the loss settings
+        # Scored at the temperature the engine sampled at; the sampling token budget is dr_grpo's denominator.
+        self.sampling = sampling or SamplingConfig()
         self.pad_id = pad_id  # token id used for padding; any id inside the vocabulary works
         self.ref_model = ref_model  # frozen reference for the KL term; scored without grad
 
@@ -262,7 +273,7 @@ class GRPOLoss:
         prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
         completions = [r.sample.token_ids for r in rollouts]
         masks = [r.sample.loss_mask for r in rollouts]  # multi-turn: environment tokens stay out of the loss
-        scored = completion_logprobs(model, prompts, completions, temperature=self.cfg.temperature,
+        scored = completion_logprobs(model, prompts, completions, temperature=self.sampling.temperature,
                                      pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0,
                                      loss_masks=masks if any(m is not None for m in masks) else None)
         device = scored.logprobs.device
@@ -271,7 +282,7 @@ class GRPOLoss:
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
                                     self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
-                                    entropy=scored.entropy)
+                                    entropy=scored.entropy, max_tokens=self.sampling.max_tokens)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
         return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
 
@@ -296,8 +307,8 @@ class GRPOLoss:
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            return completion_logprobs(self.ref_model, prompts, completions, temperature=self.cfg.temperature,
-                                       pad_id=self.pad_id).logprobs
+            return completion_logprobs(self.ref_model, prompts, completions,
+                                       temperature=self.sampling.temperature, pad_id=self.pad_id).logprobs
 
 
 def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:
