@@ -6,8 +6,8 @@ publishes new weights into the engine (prepare -> pause -> load -> resume).
 
 from asyncrl.actors import Learner, Producer, RewardFn, WeightSync
 from asyncrl.config import (
-    AbortPolicy, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
-    RewardExecution, SamplingConfig, SyncConfig,
+    AbortPolicy, Autocast, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
+    QueueConfig, RewardExecution, SamplingConfig, SyncConfig,
 )
 from asyncrl.counters import GroupCounters
 from asyncrl.data import PromptSource
@@ -28,7 +28,7 @@ from asyncrl.versions import VersionClock
 __version__ = "0.2.0"
 
 __all__ = [
-    "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
+    "AbortPolicy", "Autocast", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
     "EnvFactory", "Episode", "EpisodeConfig", "FinishReason", "GroupCounters",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource",

@@ -231,6 +231,8 @@ class PipelineConfig:
     num_producers: Annotated[PositiveInt, Field(description="producer actors sharing the engine(s)")] = 1
     shutdown_timeout_s: Annotated[Seconds, Field(description=(
         "bound on each shutdown step (learner thread, engine) after the run ends"))] = 30.0
+    health_interval_s: Annotated[Seconds, Field(description=(
+        "period of the pipeline's engine liveness check (``check_alive``)"))] = 1.0
 
     @model_validator(mode="after")
     def _rules(self) -> PipelineConfig:

@@ -59,8 +59,7 @@ class Pipeline:
     have."""
 
     def __init__(self, engine: Lifecycle, producers: Sequence[Producer], learner: Learner,
-                 config: PipelineConfig | None = None, *, close_engine: bool = True,
-                 health_interval_s: float = 1.0) -> None:
+                 config: PipelineConfig | None = None, *, close_engine: bool = True) -> None:
         if not producers:
             raise ValueError("Pipeline needs at least one producer")
         for p in producers:
@@ -82,7 +81,7 @@ class Pipeline:
         self.learner = learner
         self.config = config or PipelineConfig()
         self.close_engine = close_engine  # shut the engine down when run() ends
-        self.health_interval_s = health_interval_s  # engine liveness check period
+        self.health_interval_s = self.config.health_interval_s  # engine liveness check period
         self.result = RunResult()
 
     async def run(self, steps: int | None) -> RunResult:
