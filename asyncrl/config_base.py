@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 from typing import Annotated, Any, TypeVar, dataclass_transform
 
 import pydantic
-from pydantic import ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
 from asyncrl.errors import ConfigError
 
-__all__ = ["Flag", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Seconds", "config",
+__all__ = ["Flag", "NonNegativeFloat", "NonNegativeInt", "PathStr", "PositiveFloat", "PositiveInt", "Seconds", "config",
            "config_classes", "describe", "require"]
 
 # Numbers are strict: ``True`` is not 1 and ``2.0`` is not an integer count; floats accept ints.
@@ -31,6 +32,9 @@ PositiveFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 Seconds = PositiveFloat  # a finite duration > 0
 Flag = Annotated[bool, Field(strict=True)]
+# A filesystem path kept as a string (a ``Path`` is accepted); only its form is checked, never the disk.
+PathStr = Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v),
+                    Field(min_length=1)]
 
 _SETTINGS = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 _CLASSES: list[type] = []  # every config class, for the test that checks each field is documented

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from asyncrl.config_base import Flag, PositiveInt, config
+from asyncrl.config_base import Flag, PathStr, PositiveInt, config
 from asyncrl.errors import ConfigError
 
 WORKER_EXTENSION = "asyncrl.engines.vllm_local.worker_ext.AsyncRLWorkerExtension"  # loaded by name in workers
@@ -39,7 +39,7 @@ class VLLMEngineConfig:
     """How the in-process vLLM engine is built. Only values: the model directory is checked, and the
     environment vLLM reads is applied, when the engine starts (``check_model``, ``engine_env``)."""
 
-    model: Annotated[str, Field(min_length=1, description=(
+    model: Annotated[PathStr, Field(description=(
         "local model directory (config.json, tokenizer and *.safetensors)"))]
     dtype: Annotated[str, Field(description="weights dtype in the engine ('auto' = the checkpoint's)")] = "auto"
     max_model_len: Annotated[PositiveInt, Field(description="prompt + completion tokens per sequence")] = 256

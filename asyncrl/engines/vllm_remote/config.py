@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator
 
-from asyncrl.config_base import PositiveInt, Seconds, config
+from asyncrl.config_base import PathStr, PositiveInt, Seconds, config
 from asyncrl.errors import ConfigError
 
 
@@ -21,7 +21,7 @@ class RemoteEngineConfig:
         "e.g. 'http://127.0.0.1:8000' (without /v1; a trailing slash is dropped)"))]
     model: Annotated[str, Field(min_length=1, description=(
         "the name the server serves the model under (its --served-model-name, default its --model)"))]
-    model_dir: Annotated[str, Field(min_length=1, description=(
+    model_dir: Annotated[PathStr, Field(description=(
         "local checkpoint of the served model: parameter manifest for validating updates, and the weights "
         "restored when a reload fails before any update succeeded"))]
     request_timeout_s: Annotated[Seconds, Field(description=(
@@ -36,7 +36,7 @@ class RemoteEngineConfig:
         "a dead one is not)"))] = 5.0
     api_key: Annotated[str | None, Field(min_length=1, description=(
         "sent as 'Authorization: Bearer ...' when the server runs with --api-key"))] = None
-    staging_dir: Annotated[str | None, Field(description=(
+    staging_dir: Annotated[PathStr | None, Field(description=(
         "where updates are written for the server to read (same machine); None = /dev/shm when writable, "
         "else the temp dir"))] = None
 
