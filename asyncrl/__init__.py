@@ -7,8 +7,8 @@ publishes new weights into the engine (prepare -> pause -> load -> resume).
 from asyncrl.actors import Learner, Producer, RewardFn, WeightSync, publish
 from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import (
-    AbortPolicy, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig,
-    RewardExecution, SamplingConfig, SyncConfig,
+    AbortPolicy, Autocast, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
+    QueueConfig, RewardExecution, SamplingConfig, SyncConfig,
 )
 from asyncrl.counters import GroupTotals
 from asyncrl.data import PromptSource
@@ -30,8 +30,8 @@ from asyncrl.versions import VersionClock
 __version__ = "0.2.0"
 
 __all__ = [
-    "AbortPolicy", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError", "Env",
-    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupTotals",
+    "AbortPolicy", "Autocast", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError",
+    "Env",    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupTotals",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
     "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
     "PromptSource", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution", "RewardFn", "Rollout",

@@ -47,8 +47,9 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
         _check_backend_alone(model, loss, loss_config, optimizer, ref_model)
         loss = backend.loss
     elif loss is None:
-        cfg = loss_config or LossConfig(temperature=config.producer.sampling.temperature)
-        loss = GRPOLoss(cfg, pad_id=pad_id, ref_model=ref_model)
+        # The loss scores at the sampling temperature and takes its token budget from it: set once, in sampling.
+        loss = GRPOLoss(loss_config or LossConfig(), sampling=config.producer.sampling, pad_id=pad_id,
+                        ref_model=ref_model)
     check_group_size(loss, config)
     source = prompts if isinstance(prompts, PromptSource) else PromptSource(prompts)
     clock = VersionClock(engine.version)

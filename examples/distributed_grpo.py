@@ -83,7 +83,7 @@ def make_loss(args: argparse.Namespace) -> Any:
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 
     pad_id = AutoTokenizer.from_pretrained(str(args.model_dir)).pad_token_id or 0
-    return GRPOLoss(LossConfig(max_tokens=args.max_tokens), pad_id=pad_id)
+    return GRPOLoss(LossConfig(), sampling=sampling_config(args), pad_id=pad_id)
 
 
 def learner_config(args: argparse.Namespace) -> Any:
@@ -94,10 +94,16 @@ def learner_config(args: argparse.Namespace) -> Any:
                          sync=SyncConfig(every=1, mode="keep"))
 
 
-def pipeline_config(args: argparse.Namespace) -> Any:
-    from asyncrl import PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig
+def sampling_config(args: argparse.Namespace) -> Any:
+    from asyncrl import SamplingConfig
 
-    sampling = SamplingConfig(n=args.group_size, max_tokens=args.max_tokens, seed=args.seed)
+    return SamplingConfig(n=args.group_size, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def pipeline_config(args: argparse.Namespace) -> Any:
+    from asyncrl import PipelineConfig, ProducerConfig, QueueConfig
+
+    sampling = sampling_config(args)
     capacity = args.batch_groups * (args.max_staleness + 1)
     return PipelineConfig(producer=ProducerConfig(sampling=sampling, max_inflight_groups=args.batch_groups),
                           queue=QueueConfig(capacity=capacity, max_staleness=args.max_staleness),

@@ -159,10 +159,10 @@ def pipeline_config(args: argparse.Namespace) -> Any:
 def loss_config(args: argparse.Namespace) -> Any:
     from asyncrl.algorithms.losses import LossConfig
 
-    return LossConfig(estimator=args.estimator, length_norm=args.length_norm, max_tokens=args.max_tokens,
-                      clip_low=args.clip_low, clip_high=args.clip_high, is_level=args.is_level,
-                      is_cap=args.is_cap, kl_coef=args.kl_coef, entropy_coef=args.entropy_coef,
-                      temperature=args.temperature)
+    # The scoring temperature and dr_grpo's token budget come from the sampling config (grpo_pipeline).
+    return LossConfig(estimator=args.estimator, length_norm=args.length_norm, clip_low=args.clip_low,
+                      clip_high=args.clip_high, is_level=args.is_level, is_cap=args.is_cap, kl_coef=args.kl_coef,
+                      entropy_coef=args.entropy_coef)
 
 
 def engine_config(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path) -> Any:

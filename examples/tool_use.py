@@ -256,7 +256,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
               f"{before['tool_rate']:.1%}", flush=True)
         prompts = (_prompt(tok, ex, f"train-{i}") for i, ex in _endless(task.train, args.seed))
         pipeline = grpo_pipeline(engine, _load_policy(model_dir), prompts, None, config,
-                                 loss_config=LossConfig(temperature=args.temperature), pad_id=tok.pad_token_id,
+                                 loss_config=LossConfig(), pad_id=tok.pad_token_id,
                                  monitor=monitor, close_engine=False,
                                  env=CalculatorProtocol(tok).env_factory(task.reward))
         progress = tracking.ProgressHook(args.steps, desc="GRPO (tool use)", disable=args.no_progress)

@@ -153,8 +153,8 @@ def test_length_norm(norm: str, expected: float) -> None:
     # r = 1, no IS: per-token term = -A; seq 0 has A = 1 on 3 tokens, seq 1 has A = -2 on 1 token
     zeros = t([[0, 0, 0], [0, 0, 0]])
     mask = t([[1, 1, 1], [1, 0, 0]])
-    cfg = LossConfig(is_level="none", length_norm=norm, max_tokens=4)
-    loss, _ = policy_loss(zeros, zeros, zeros, t([1, -2]), mask, cfg)
+    cfg = LossConfig(is_level="none", length_norm=norm)
+    loss, _ = policy_loss(zeros, zeros, zeros, t([1, -2]), mask, cfg, max_tokens=4)
     assert loss.item() == pytest.approx(expected)
 
 
@@ -166,7 +166,7 @@ def test_padding_values_are_ignored() -> None:
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"length_norm": "dr_grpo"}, "LossConfig.max_tokens"),
+    ({"max_tokens": 4}, "LossConfig.max_tokens"),  # comes from SamplingConfig: refused, naming itself
     ({"estimator": "ppo"}, "LossConfig.estimator"),
     ({"clip_low": 1.0}, "LossConfig.clip_low"),
     ({"is_level": "batch"}, "LossConfig.is_level"),

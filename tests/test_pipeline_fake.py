@@ -301,10 +301,13 @@ def test_bad_config_fails_at_construction_naming_the_field(make, field):
 
 
 def test_missing_model_path_is_a_config_error(tmp_path):
-    from asyncrl.engines.vllm_local import VLLMEngineConfig
+    """The config holds values only; the engine's start checks the directory before starting anything."""
+    from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
-    with pytest.raises(ConfigError, match="VLLMEngineConfig.model"):
-        VLLMEngineConfig(model=str(tmp_path / "nope"))
+    cfg = VLLMEngineConfig(model=str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="VLLMEngineConfig.model") as err:
+        asyncio.run(VLLMEngine.start(cfg))
+    assert str(tmp_path / "nope") in str(err.value)
 
 
 def test_engine_busy_wait_picks_the_executor(tiny_model_dir):

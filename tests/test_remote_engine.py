@@ -97,12 +97,16 @@ def _check_sample(s: Sample) -> None:
 
 def test_config_errors_name_the_field(model_dir: Path, tmp_path: Path) -> None:
     good = dict(base_url="http://127.0.0.1:1", model="m", model_dir=str(model_dir))
-    cases = {"base_url": "localhost:8000", "model": "", "model_dir": str(tmp_path), "request_timeout_s": 0,
-             "health_timeout_s": float("nan"), "health_check_interval_s": -1, "api_key": "",
-             "staging_dir": str(tmp_path / "missing")}
+    cases = {"base_url": "localhost:8000", "model": "", "request_timeout_s": 0,
+             "health_timeout_s": float("nan"), "health_check_interval_s": -1, "api_key": ""}
     for field, bad in cases.items():
         with pytest.raises(ConfigError) as err:
             RemoteEngineConfig(**{**good, field: bad})  # type: ignore[arg-type]
+        assert err.value.field == f"RemoteEngineConfig.{field}"
+    # Directories are values at construction and checked where the engine connects, before any request.
+    for field, bad in {"model_dir": str(tmp_path), "staging_dir": str(tmp_path / "missing")}.items():
+        with pytest.raises(ConfigError) as err:
+            asyncio.run(RemoteVLLMEngine.connect(RemoteEngineConfig(**{**good, field: bad})))  # type: ignore[arg-type]
         assert err.value.field == f"RemoteEngineConfig.{field}"
     assert RemoteEngineConfig(**{**good, "base_url": "http://h:1/"}).base_url == "http://h:1"  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="master_port"):

@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.engines.pool import EnginePool
+from asyncrl.engines.pool import EnginePool, PoolConfig
 from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.engines.vllm_remote import RemoteVLLMEngine
 from asyncrl.engines.vllm_remote.process import ServerProcess
@@ -71,7 +71,7 @@ async def test_pool_balances_load_round_robin() -> None:
 @aio
 async def test_pool_reports_or_drops_a_dead_member() -> None:
     a, b = FakeEngine(name="a"), FakeEngine(name="b")
-    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
+    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], PoolConfig(drop_dead=True))
     b.alive = False
     with pytest.raises(EngineError) as err:  # the first pick of a fresh pool is its second member
         await strict.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")
@@ -130,7 +130,7 @@ async def test_killed_server_is_detected_and_dropped(server_a: ServerProcess, se
     # Dead = 3 failed probes in a row, 0.2 s apart here: about 0.4 s per check once the server is gone.
     a = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir, health_retry_s=0.2), name="a")
     b = await RemoteVLLMEngine.connect(_cfg(server_b, model_dir, health_retry_s=0.2), name="b")
-    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], drop_dead=True)
+    strict, tolerant = EnginePool([a, b]), EnginePool([a, b], PoolConfig(drop_dead=True))
     try:
         await strict.check_alive()
         server_b.kill()

@@ -1,15 +1,18 @@
 """Advantages, completion scoring and policy losses for the learner."""
 
-from asyncrl.algorithms.advantages import group_advantages
+from asyncrl.algorithms.advantages import Estimator, group_advantages
 from asyncrl.algorithms.corrections import Correction
 from asyncrl.algorithms.logprobs import CompletionLogprobs, completion_logprobs
-from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig, LossOutput, k3, policy_loss
+from asyncrl.algorithms.losses import GRPOLoss, IsLevel, LengthNorm, Loss, LossConfig, LossOutput, k3, policy_loss
 from asyncrl.algorithms.rows import packed_scoring
 
 __all__ = [
     "CompletionLogprobs",
     "Correction",
+    "Estimator",
     "GRPOLoss",
+    "IsLevel",
+    "LengthNorm",
     "Loss",
     "LossConfig",
     "LossOutput",

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import enum
 
 import torch
 from torch import Tensor
 
-Estimator = Literal["grpo", "rloo"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+
+class Estimator(str, enum.Enum):
+    """The baseline a rollout's reward is measured against."""
+
+    GRPO = "grpo"  # the group mean
+    RLOO = "rloo"  # the mean of the other rollouts of the group
+
+
+ESTIMATORS: tuple[str, ...] = tuple(e.value for e in Estimator)
 
 
 def group_advantages(
-    rewards: Tensor, estimator: Estimator = "grpo", scale_by_std: bool = True, eps: float = 1e-6
+    rewards: Tensor, estimator: Estimator | str = Estimator.GRPO, scale_by_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """Advantages for ``G`` groups of ``n`` rollouts; ``rewards`` and the result are ``[G, n]``.
 

@@ -45,7 +45,6 @@ class Correction(str, enum.Enum):
     M2PO = "m2po"  # drop the largest squared log-ratios until their mean is <= m2_threshold; no clipping
 
 
-CORRECTIONS: tuple[str, ...] = tuple(c.value for c in Correction)
 STALENESS_BUCKETS = ("s0", "s1", "s2", "s3plus")  # tokens 0, 1, 2 and 3+ versions behind the learner
 
 

@@ -20,18 +20,19 @@ a single-turn sample (no mask) gives exactly the numbers it gave before masks ex
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Annotated, Protocol
 
 import numpy as np
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
-from asyncrl.algorithms.advantages import ESTIMATORS, Estimator, group_advantages
+from asyncrl.algorithms.advantages import Estimator, group_advantages
 from asyncrl.algorithms.corrections import (
-    CORRECTIONS,
     Correction,
     m2po_mask,
     masked_weights,
@@ -40,68 +41,68 @@ from asyncrl.algorithms.corrections import (
 )
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.algorithms.rows import to_device
-from asyncrl.config import ConfigError
+from asyncrl.config import ConfigError, SamplingConfig
+from asyncrl.config_base import Flag, NonNegativeFloat, config, require
 from asyncrl.types import Rollout, RolloutGroup
 
-LengthNorm = Literal["token_mean", "seq_mean", "dr_grpo"]
-IsLevel = Literal["token", "sequence", "none"]
-LENGTH_NORMS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence", "none")
+
+class LengthNorm(str, enum.Enum):
+    """How per-token terms become a scalar (see ``normalise``)."""
+
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN = "seq_mean"
+    DR_GRPO = "dr_grpo"
 
 
-@dataclass(frozen=True, slots=True)
+class IsLevel(str, enum.Enum):
+    """Where the proximal/behaviour importance weight applies."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+    NONE = "none"
+
+
+@config
 class LossConfig:
-    """The policy loss. Defaults: GRPO advantages, DAPO's asymmetric clip, token-level IS truncation."""
+    """The policy loss. Defaults: GRPO advantages, DAPO's asymmetric clip, token-level IS truncation. The
+    scoring temperature and the token budget are not here: ``GRPOLoss`` takes them from ``SamplingConfig``."""
 
-    estimator: Estimator = "grpo"  # baseline: "grpo" (group mean) or "rloo" (mean of the other rollouts)
-    scale_by_std: bool = True  # divide advantages by the group's reward std (False with "grpo" = Dr. GRPO)
-    length_norm: LengthNorm = "token_mean"  # how per-token terms become a scalar (see ``normalise``)
-    max_tokens: int = 0  # per-sequence token budget, the "dr_grpo" denominator (set to sampling max_tokens)
-    clip_low: float = 0.2  # the ratio to the proximal policy is clipped below at 1 - clip_low
-    clip_high: float = 0.28  # ... and above at 1 + clip_high (a higher top keeps rare tokens learnable)
-    is_level: IsLevel = "token"  # proximal/behaviour importance weight per token, per sequence, or none
-    is_cap: float = 2.0  # importance weights are truncated at this value (math.inf = no truncation)
-    # What happens to a token whose behaviour ratio is far from 1 (``corrections``): "truncate" (cap at is_cap),
-    # "mask" (drop terms whose ratio, per is_level, leaves [1/is_cap, is_cap]) or "m2po" (drop the largest
-    # squared log-ratios until their mean is <= m2_threshold; is_level, is_cap and the clip are then unused)
-    correction: Correction = Correction.TRUNCATE
-    m2_threshold: float = 0.04  # M2PO's bound on the mean squared log-ratio of the tokens kept (paper's default)
-    m2_trust_region: bool = True  # M2PO: only tokens the update pushes further from ratio 1 may be masked
-    kl_coef: float = 0.0  # weight of the k3 KL penalty towards a frozen reference (0 = no reference)
-    entropy_coef: float = 0.0  # weight of the entropy bonus (0 = entropy is not computed)
-    temperature: float = 1.0  # logits are divided by this before scoring; use the sampling temperature
+    estimator: Annotated[Estimator, Field(description=(
+        "baseline: 'grpo' (group mean) or 'rloo' (mean of the other rollouts)"))] = Estimator.GRPO
+    scale_by_std: Annotated[Flag, Field(description=(
+        "divide advantages by the group's reward std (False with 'grpo' = Dr. GRPO)"))] = True
+    length_norm: Annotated[LengthNorm, Field(description=(
+        "how per-token terms become a scalar (see ``normalise``); 'dr_grpo' divides by the sampling "
+        "max_tokens"))] = LengthNorm.TOKEN_MEAN
+    clip_low: Annotated[float, Field(strict=True, ge=0, lt=1, description=(
+        "the ratio to the proximal policy is clipped below at 1 - clip_low"))] = 0.2
+    clip_high: Annotated[NonNegativeFloat, Field(description=(
+        "... and above at 1 + clip_high (a higher top keeps rare tokens learnable)"))] = 0.28
+    is_level: Annotated[IsLevel, Field(description=(
+        "proximal/behaviour importance weight per token, per sequence, or none"))] = IsLevel.TOKEN
+    is_cap: Annotated[float, Field(strict=True, gt=0, description=(
+        "importance weights are truncated at this value (math.inf = no truncation)"))] = 2.0
+    correction: Annotated[Correction, Field(description=(
+        "what happens to a token whose behaviour ratio is far from 1 (``corrections``): 'truncate' (cap at "
+        "is_cap), 'mask' (drop terms whose ratio, per is_level, leaves [1/is_cap, is_cap]) or 'm2po' (drop the "
+        "largest squared log-ratios until their mean is <= m2_threshold; is_level, is_cap and the clip are then "
+        "unused)"))] = Correction.TRUNCATE
+    m2_threshold: Annotated[NonNegativeFloat, Field(description=(
+        "M2PO's bound on the mean squared log-ratio of the tokens kept (the paper's default)"))] = 0.04
+    m2_trust_region: Annotated[Flag, Field(description=(
+        "M2PO: only tokens the update pushes further from ratio 1 may be masked"))] = True
+    kl_coef: Annotated[NonNegativeFloat, Field(description=(
+        "weight of the k3 KL penalty towards a frozen reference (0 = no reference)"))] = 0.0
+    entropy_coef: Annotated[NonNegativeFloat, Field(description=(
+        "weight of the entropy bonus (0 = entropy is not computed)"))] = 0.0
 
-    def __post_init__(self) -> None:
-        _check(self.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}, got {self.estimator!r}")
-        _check(isinstance(self.scale_by_std, bool), "scale_by_std", f"must be a bool, got {self.scale_by_std!r}")
-        _check(self.length_norm in LENGTH_NORMS, "length_norm",
-               f"must be one of {LENGTH_NORMS}, got {self.length_norm!r}")
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
-               and self.max_tokens >= 0, "max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
-        _check(self.length_norm != "dr_grpo" or self.max_tokens > 0, "max_tokens",
-               "must be > 0 with length_norm='dr_grpo' (it is the constant per-sequence denominator)")
-        _check(0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1), got {self.clip_low!r}")
-        _check(0 <= self.clip_high < math.inf, "clip_high", f"must be finite and >= 0, got {self.clip_high!r}")
-        _check(self.is_level in IS_LEVELS, "is_level", f"must be one of {IS_LEVELS}, got {self.is_level!r}")
-        _check(self.is_cap > 0, "is_cap", f"must be > 0 (math.inf disables truncation), got {self.is_cap!r}")
-        _check(self.correction in CORRECTIONS, "correction", f"must be one of {CORRECTIONS}, got {self.correction!r}")
-        masking = self.correction == Correction.MASK
-        _check(not masking or self.is_level != "none", "is_level", "must be 'token' or 'sequence' with 'mask'")
-        _check(not masking or self.is_cap >= 1, "is_cap",
-               f"must be >= 1 with correction='mask' (the kept range is [1/is_cap, is_cap]), got {self.is_cap!r}")
-        _check(0 <= self.m2_threshold < math.inf, "m2_threshold",
-               f"must be finite and >= 0, got {self.m2_threshold!r}")
-        _check(isinstance(self.m2_trust_region, bool), "m2_trust_region",
-               f"must be a bool, got {self.m2_trust_region!r}")
-        _check(0 <= self.kl_coef < math.inf, "kl_coef", f"must be finite and >= 0, got {self.kl_coef!r}")
-        _check(0 <= self.entropy_coef < math.inf, "entropy_coef",
-               f"must be finite and >= 0, got {self.entropy_coef!r}")
-        _check(0 < self.temperature < math.inf, "temperature", f"must be finite and > 0, got {self.temperature!r}")
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"LossConfig.{name}", message)
+    @model_validator(mode="after")
+    def _masking_rules(self) -> LossConfig:
+        if self.correction == Correction.MASK:
+            require(self.is_level != IsLevel.NONE, self, "is_level", "must be 'token' or 'sequence' with 'mask'")
+            require(self.is_cap >= 1, self, "is_cap",
+                    f"must be >= 1 with correction='mask' (the kept range is [1/is_cap, is_cap]), got {self.is_cap!r}")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,7 @@ class Loss(Protocol):
 
 
 def importance_weights(
-    old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, level: IsLevel, cap: float
+    old_logp: Tensor, behaviour_logp: Tensor, mask: Tensor, level: IsLevel | str, cap: float
 ) -> tuple[Tensor, Tensor]:
     """Truncated proximal/behaviour weights ``[B, T]`` and a float flag of where the cap bit, both detached.
 
@@ -169,18 +170,21 @@ def k3(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+def normalise(per_token: Tensor, mask: Tensor, cfg: LossConfig, max_tokens: int = 0) -> Tensor:
     """Reduce ``[B, T]`` terms to a scalar.
 
     - ``token_mean``: sum over every token / number of tokens (long sequences weigh more in total).
     - ``seq_mean``: mean over each sequence's tokens, then over sequences that have any (GRPO's original).
-    - ``dr_grpo``: sum over every token / (B * max_tokens), a constant, so no length bias enters the gradient.
+    - ``dr_grpo``: sum over every token / (B * max_tokens), a constant, so no length bias enters the gradient
+      (``max_tokens``: the sampling token budget, > 0).
     """
     total = (per_token * mask).sum()
     if cfg.length_norm == "token_mean":
         return total / mask.sum().clamp(min=1)
     if cfg.length_norm == "dr_grpo":
-        return total / (mask.shape[0] * cfg.max_tokens)
+        if max_tokens <= 0:
+            raise ValueError(f"length_norm='dr_grpo' needs the sampling max_tokens (> 0), got {max_tokens}")
+        return total / (mask.shape[0] * max_tokens)
     lengths = mask.sum(dim=-1)
     per_sequence = (per_token * mask).sum(dim=-1) / lengths.clamp(min=1)
     return per_sequence.sum() / (lengths > 0).sum().clamp(min=1)
@@ -201,6 +205,7 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
     staleness: Tensor | None = None,
+    max_tokens: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The decoupled clipped objective (module docstring) as a scalar, plus its ``loss/*`` metrics (detached
     0-dim tensors), under ``cfg.correction`` (``asyncrl.algorithms.corrections``).
@@ -208,7 +213,8 @@ def policy_loss(
     ``logp`` (current, with grad), ``old_logp`` (proximal; pass ``logp.detach()`` when the learner has no
     separate one), ``behaviour_logp``, ``ref_logp``, ``entropy``, ``staleness`` (versions behind the learner,
     for the per-bucket gauges) and ``mask`` are ``[B, T]``; ``advantages`` is ``[B]``. Values at padding are
-    ignored. ``loss/is_weight_mean`` counts a masked token as weight 0, as the loss does.
+    ignored. ``loss/is_weight_mean`` counts a masked token as weight 0, as the loss does. ``max_tokens`` is the
+    sampling token budget, needed by ``length_norm='dr_grpo'``.
     """
     _check_shapes(logp, old_logp, behaviour_logp, advantages, mask, ref_logp, entropy, cfg, staleness)
     mask = mask.to(logp.dtype)
@@ -220,7 +226,7 @@ def policy_loss(
         clipped = torch.zeros_like(mask)
     else:
         surrogate, clipped = clipped_surrogate(logp, old_logp, advantages[:, None], cfg.clip_low, cfg.clip_high)
-    policy = normalise(-(weight * surrogate), mask, cfg)
+    policy = normalise(-(weight * surrogate), mask, cfg, max_tokens)
     loss = policy
     metrics = {
         "loss/policy": policy.detach(),
@@ -238,10 +244,10 @@ def policy_loss(
                                          "is_trunc_frac" if truncating else "is_masked_frac"))
     if ref_logp is not None:
         kl = k3(torch.where(mask > 0, ref_logp.detach() - logp, 0.0))
-        loss = loss + cfg.kl_coef * normalise(kl, mask, cfg)
+        loss = loss + cfg.kl_coef * normalise(kl, mask, cfg, max_tokens)
         metrics["loss/kl"] = masked_mean(kl, mask)
     if entropy is not None:
-        loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg)
+        loss = loss - cfg.entropy_coef * normalise(entropy, mask, cfg, max_tokens)
         metrics["loss/entropy"] = masked_mean(entropy, mask)
     metrics["loss/total"] = loss.detach()
     return loss, metrics
@@ -292,10 +298,16 @@ class GRPOLoss(Loss):
 
     min_group_size = 2  # a single sample has no group baseline: its advantage is 0 and nothing is learned
 
-    def __init__(self, cfg: LossConfig, *, pad_id: int = 0, ref_model: torch.nn.Module | None = None) -> None:
+    def __init__(self, cfg: LossConfig, *, sampling: SamplingConfig | None = None, pad_id: int = 0,
+                 ref_model: torch.nn.Module | None = None) -> None:
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("LossConfig.kl_coef > 0 needs a ref_model")
+        if sampling is None and cfg.length_norm == LengthNorm.DR_GRPO:
+            raise ConfigError("GRPOLoss.sampling", "length_norm='dr_grpo' divides by the sampling max_tokens: "
+                                                   "pass the SamplingConfig the groups are sampled with")
         self.cfg = cfg  # the loss settings
+        # Scored at the temperature the engine sampled at; the sampling token budget is dr_grpo's denominator.
+        self.sampling = sampling or SamplingConfig()
         self.pad_id = pad_id  # token id used for padding; any id inside the vocabulary works
         self.ref_model = ref_model  # frozen reference for the KL term; scored without grad
 
@@ -314,7 +326,7 @@ class GRPOLoss(Loss):
         prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
         completions = [r.sample.token_ids for r in rollouts]
         masks = [r.sample.loss_mask for r in rollouts]  # multi-turn: environment tokens stay out of the loss
-        scored = completion_logprobs(model, prompts, completions, temperature=self.cfg.temperature,
+        scored = completion_logprobs(model, prompts, completions, temperature=self.sampling.temperature,
                                      pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0,
                                      loss_masks=masks if any(m is not None for m in masks) else None)
         device = scored.logprobs.device
@@ -324,7 +336,7 @@ class GRPOLoss(Loss):
         staleness = to_device(token_staleness(rollouts, scored.mask.shape[1], policy_version), device)
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
                                     self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
-                                    entropy=scored.entropy, staleness=staleness)
+                                    entropy=scored.entropy, staleness=staleness, max_tokens=self.sampling.max_tokens)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
         return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
 
@@ -349,8 +361,8 @@ class GRPOLoss(Loss):
         if self.ref_model is None:
             return None
         with torch.no_grad():
-            return completion_logprobs(self.ref_model, prompts, completions, temperature=self.cfg.temperature,
-                                       pad_id=self.pad_id).logprobs
+            return completion_logprobs(self.ref_model, prompts, completions,
+                                       temperature=self.sampling.temperature, pad_id=self.pad_id).logprobs
 
 
 def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:

@@ -24,16 +24,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field, field_validator
 
 from asyncrl.aio import settle
 from asyncrl.checkpoint.files import TMP_PREFIX, fsync_dir, move_into_place, sha256, write_file
 from asyncrl.checkpoint.rng import rng_state, set_rng_state
+from asyncrl.config_base import PositiveInt, config
 from asyncrl.counters import Drops, GroupTotals
 from asyncrl.engines.weights import WEIGHTS_FILE
-from asyncrl.errors import ConfigError
 from asyncrl.types import DropReason
 
 log = logging.getLogger(__name__)
@@ -49,22 +50,21 @@ class CorruptCheckpoint(RuntimeError):
     """A checkpoint directory is incomplete or does not match its manifest."""
 
 
-@dataclass(frozen=True, slots=True)
+@config
 class CheckpointConfig:
     """Where and how often the learner is checkpointed."""
 
-    dir: str | Path  # directory holding step-NNNNNN checkpoints; one writer at a time
-    every_steps: int = 100  # optimiser steps between checkpoints
-    keep: int = 3  # newest complete checkpoints kept; older ones are deleted after each save
+    dir: Annotated[Path, Field(description="directory holding step-NNNNNN checkpoints; one writer at a time")]
+    every_steps: Annotated[PositiveInt, Field(description="optimiser steps between checkpoints")] = 100
+    keep: Annotated[PositiveInt, Field(description=(
+        "newest complete checkpoints kept; older ones are deleted after each save"))] = 3
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.dir, (str, Path)) or not str(self.dir):
-            raise ConfigError("CheckpointConfig.dir", f"must be a non-empty path, got {self.dir!r}")
-        object.__setattr__(self, "dir", Path(self.dir))
-        for name, low in (("every_steps", 1), ("keep", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"CheckpointConfig.{name}", f"must be an integer >= {low}, got {value!r}")
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _non_empty(cls, value: object) -> object:
+        if not isinstance(value, str | Path) or not str(value):
+            raise ValueError(f"must be a non-empty path, got {value!r}")
+        return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,13 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 
+from asyncrl.config_base import Seconds, config
 from asyncrl.errors import DistributedError
 
 log = logging.getLogger(__name__)
@@ -50,11 +52,20 @@ class RankContext:
         return self.rank == 0
 
 
-def init_ranks(*, collective_timeout_s: float = 300.0, control_timeout_s: float = 900.0) -> RankContext:
-    """Join the process group described by the environment (a world of 1 without a launcher).
+@config
+class RankConfig:
+    """How long the learner ranks wait for each other."""
 
-    ``collective_timeout_s`` bounds every collective of the model; ``control_timeout_s`` bounds how long a
-    follower waits for rank 0's next command (keep it above ``LearnerConfig.stall_timeout_s``)."""
+    collective_timeout_s: Annotated[Seconds, Field(description="bounds every collective of the model")] = 300.0
+    control_timeout_s: Annotated[Seconds, Field(description=(
+        "bounds how long a follower waits for rank 0's next command (keep it above "
+        "``LearnerConfig.stall_timeout_s``)"))] = 900.0
+
+
+def init_ranks(config: RankConfig | None = None) -> RankContext:
+    """Join the process group described by the environment (a world of 1 without a launcher), with the
+    timeouts of ``config``."""
+    config = config or RankConfig()
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.setdefault("RANK", "0")
@@ -69,9 +80,9 @@ def init_ranks(*, collective_timeout_s: float = 300.0, control_timeout_s: float 
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=dt.timedelta(seconds=collective_timeout_s),
+        dist.init_process_group(backend, timeout=dt.timedelta(seconds=config.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    control = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=control_timeout_s))
+    control = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=config.control_timeout_s))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     ctx = RankContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                       device=device, mesh=mesh, control=control)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from asyncrl.actors.rewards import RewardFn
 from asyncrl.config import PipelineConfig
 from asyncrl.distributed.fsdp import FSDPBackend
-from asyncrl.distributed.ranks import RankContext, close_ranks, init_ranks
+from asyncrl.distributed.ranks import RankConfig, RankContext, close_ranks, init_ranks
 from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
@@ -47,10 +47,10 @@ def sharded_pipeline(engine: Engine, backend: FSDPBackend, prompts: Iterable[Pro
 
 
 def run_ranks(setup: Callable[[RankContext], FSDPBackend],
-              lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]], **init: Any) -> T | None:
-    """Join the ranks (``init`` goes to ``init_ranks``), build the backend on each, then rank 0 runs ``lead``
+              lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]], config: RankConfig | None = None) -> T | None:
+    """Join the ranks (with ``config``'s timeouts), build the backend on each, then rank 0 runs ``lead``
     under uvloop while the others serve. Returns ``lead``'s result on rank 0, None elsewhere."""
-    result = _rank_main(init_ranks(**init), setup, lead)
+    result = _rank_main(init_ranks(config), setup, lead)
     close_ranks()  # nothing here holds the backend or its groups any more, so close_ranks can free them
     return result
 

@@ -15,9 +15,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from asyncrl.aio import settle
 from asyncrl.config import SamplingConfig
+from asyncrl.config_base import Flag, config
 from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
@@ -31,10 +35,19 @@ class _Member:
     alive: bool = True  # False once taken out of rotation
 
 
+@config
+class PoolConfig:
+    """How an ``EnginePool`` treats its members."""
+
+    drop_dead: Annotated[Flag, Field(description=(
+        "take a dead member out of rotation (its samples are drawn again elsewhere) instead of failing the "
+        "call with an ``EngineError`` naming it"))] = False
+
+
 class EnginePool(Engine):
     """``Engine`` over N engines (e.g. ``RemoteVLLMEngine``s, one per server). Owns them: ``close`` closes all."""
 
-    def __init__(self, engines: Sequence[Engine], *, drop_dead: bool = False, name: str = "pool") -> None:
+    def __init__(self, engines: Sequence[Engine], config: PoolConfig | None = None, *, name: str = "pool") -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         names = [e.name for e in engines]
@@ -42,7 +55,8 @@ class EnginePool(Engine):
             raise ValueError(f"EnginePool members need distinct names, got {names}")
         self.name = name
         self._members = [_Member(e) for e in engines]
-        self._drop_dead = drop_dead
+        self.config = config or PoolConfig()
+        self._drop_dead = self.config.drop_dead
         self._turn = 0  # round-robin offset among equally loaded members
         # Each member's own prepared form of an update, by version (released in ``release``).
         self._prepared: dict[int, list[tuple[_Member, WeightUpdate]]] = {}

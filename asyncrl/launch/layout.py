@@ -8,44 +8,45 @@ let Ray pack a server beside a rank; they are refused.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import enum
+from typing import Annotated
 
-from asyncrl.errors import ConfigError
+from pydantic import Field, model_validator
+
+from asyncrl.config_base import PositiveInt, config, require
 
 
-@dataclass(frozen=True, slots=True)
+class PlacementStrategy(str, enum.Enum):
+    """Ray's placement strategies for the bundles of one placement group."""
+
+    PACK = "PACK"  # fewest nodes
+    SPREAD = "SPREAD"  # as many nodes as possible
+    STRICT_PACK = "STRICT_PACK"  # one node, or fail
+    STRICT_SPREAD = "STRICT_SPREAD"  # one node per bundle, or fail
+
+
+GPUs = Annotated[int, Field(strict=True, ge=0)]  # whole GPUs: a fractional GPU could put a server beside a rank
+CPUs = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+
+
+@config
 class Layout:
     """What to place. CPU-only by default (``*_gpus=0``)."""
 
-    servers: int = 1  # vLLM servers (each an ``EnginePool`` member)
-    ranks: int = 2  # learner ranks (FSDP world size)
-    server_gpus: int = 0  # GPUs per server (its tensor-parallel size on GPU)
-    rank_gpus: int = 0  # GPUs per learner rank (0 or 1)
-    server_cpus: float = 1.0  # CPUs reserved per server
-    rank_cpus: float = 1.0  # CPUs reserved per rank
-    strategy: str = "PACK"  # Ray placement strategy: PACK (fewest nodes), SPREAD, STRICT_PACK, STRICT_SPREAD
+    servers: Annotated[PositiveInt, Field(description="vLLM servers (each an ``EnginePool`` member)")] = 1
+    ranks: Annotated[PositiveInt, Field(description="learner ranks (FSDP world size)")] = 2
+    server_gpus: Annotated[GPUs, Field(description=(
+        "GPUs per server (its tensor-parallel size on GPU); whole GPUs only"))] = 0
+    rank_gpus: Annotated[GPUs, Field(le=1, description="GPUs per learner rank (0 or 1)")] = 0
+    server_cpus: Annotated[CPUs, Field(description="CPUs reserved per server")] = 1.0
+    rank_cpus: Annotated[CPUs, Field(description="CPUs reserved per rank")] = 1.0
+    strategy: Annotated[PlacementStrategy, Field(description="Ray placement strategy")] = PlacementStrategy.PACK
 
-    def __post_init__(self) -> None:
-        for name in ("servers", "ranks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Layout.{name}", f"must be an integer >= 1, got {value!r}")
-        for name in ("server_gpus", "rank_gpus"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"Layout.{name}", f"must be a whole number of GPUs >= 0 (a fractional GPU "
-                                                    f"could put a server beside a rank), got {value!r}")
-        if self.rank_gpus > 1:
-            raise ConfigError("Layout.rank_gpus", f"one GPU per learner rank, got {self.rank_gpus}")
-        if (self.rank_gpus == 0) != (self.server_gpus == 0):
-            raise ConfigError("Layout.rank_gpus", "servers and ranks both on GPUs or both on CPUs")
-        for name in ("server_cpus", "rank_cpus"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"Layout.{name}", f"must be > 0, got {value!r}")
-        if self.strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ConfigError("Layout.strategy", f"not a Ray placement strategy: {self.strategy!r}")
+    @model_validator(mode="after")
+    def _rules(self) -> Layout:
+        require((self.rank_gpus == 0) == (self.server_gpus == 0), self, "rank_gpus",
+                "servers and ranks both on GPUs or both on CPUs")
+        return self
 
     def bundles(self) -> list[dict[str, float]]:
         """Servers first (bundle ``i`` for server ``i``), then ranks (bundle ``servers + r`` for rank ``r``)."""

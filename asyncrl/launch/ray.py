@@ -95,7 +95,7 @@ def launch(layout: Layout, model_dir: str | Path, argv: Sequence[str] = (), *, e
     from ray.util.placement_group import placement_group, remove_placement_group
 
     model_dir = str(Path(model_dir).resolve())
-    pg = placement_group(layout.bundles(), strategy=layout.strategy)
+    pg = placement_group(layout.bundles(), strategy=layout.strategy.value)
     try:
         ray.get(pg.ready(), timeout=min(timeout_s, 600.0))
         servers = [_actor(ServerActor, pg, layout.server_bundle(i), layout.server_cpus, layout.server_gpus)

@@ -31,16 +31,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
+from pydantic import Field, field_validator
 
-from asyncrl.errors import ConfigError, QueueClosed
+from asyncrl.config_base import NonNegativeFloat, NonNegativeInt, PositiveInt, Seconds, config
+from asyncrl.errors import QueueClosed
 from asyncrl.http.server import MiB, BearerAuth, HTTPError, bad_request, check_token, json_endpoint, read_body
 from asyncrl.queues.rollout_queue import RolloutSender
 from asyncrl.queues.wire import WireError, group_from_json
@@ -62,51 +62,36 @@ STORED, DUPLICATE, PENDING = "stored", "duplicate", "pending"
 QUEUE_FULL, QUEUE_CLOSED = "queue_full", "queue_closed"
 
 
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(name, message)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_seconds(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(frozen=True, slots=True)
+@config
 class IngestServerConfig:
     """The ingestion server. Validated at construction; errors name the field."""
 
-    token: str = field(repr=False)  # shared secret clients send as ``Authorization: Bearer <token>``
-    host: str = "127.0.0.1"  # interface to bind; loopback unless you mean to expose it
-    port: int = 0  # TCP port; 0 = an ephemeral port (``start()`` returns the real one)
-    max_body_bytes: int = 4 * MiB  # request bodies above this get 413
-    put_timeout_s: float = 5.0  # how long a request waits for queue room before 503 + Retry-After
-    max_groups_per_request: int = 64  # more groups in one request get 413
-    retry_after_s: int = 1  # Retry-After sent with a queue-full 503 (s); 0 = re-post at once (long poll)
-    # How long ``stop`` waits for recent producers to hear "queue closed": above the longest a producer spends
-    # between two posts (one group's generation and scoring), or a slow one meets "connection refused".
-    close_grace_s: float = 10.0
-    active_window_s: float = 60.0  # a producer that posted this recently before ``stop`` is waited for
+    token: Annotated[str, Field(description=(
+        "shared secret clients send as ``Authorization: Bearer <token>`` (never shown in the repr)"))]
+    host: Annotated[str, Field(min_length=1, description=(
+        "interface to bind; loopback unless you mean to expose it"))] = "127.0.0.1"
+    port: Annotated[int, Field(strict=True, ge=0, le=65535, description=(
+        "TCP port; 0 = an ephemeral port (``start()`` returns the real one)"))] = 0
+    max_body_bytes: Annotated[PositiveInt, Field(description="request bodies above this get 413")] = 4 * MiB
+    put_timeout_s: Annotated[Seconds, Field(description=(
+        "how long a request waits for queue room before 503 + Retry-After"))] = 5.0
+    max_groups_per_request: Annotated[PositiveInt, Field(description="more groups in one request get 413")] = 64
+    retry_after_s: Annotated[NonNegativeInt, Field(description=(
+        "Retry-After sent with a queue-full 503 (s); 0 = re-post at once (long poll)"))] = 1
+    close_grace_s: Annotated[NonNegativeFloat, Field(description=(
+        "how long ``stop`` waits for recent producers to hear 'queue closed': above the longest a producer "
+        "spends between two posts (one group's generation and scoring), or a slow one meets 'connection "
+        "refused'"))] = 10.0
+    active_window_s: Annotated[Seconds, Field(description=(
+        "a producer that posted this recently before ``stop`` is waited for"))] = 60.0
 
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        check_token(f"{name}.token", self.token)
-        _check(isinstance(self.host, str) and bool(self.host), f"{name}.host", "must be a non-empty string")
-        _check(_is_int(self.port) and 0 <= self.port <= 65535, f"{name}.port",
-               f"must be an integer in [0, 65535], got {self.port!r}")
-        for attr in ("max_body_bytes", "max_groups_per_request"):
-            value = getattr(self, attr)
-            _check(_is_int(value) and value > 0, f"{name}.{attr}", f"must be a positive integer, got {value!r}")
-        for attr in ("put_timeout_s", "active_window_s"):
-            value = getattr(self, attr)
-            _check(_is_seconds(value) and value > 0, f"{name}.{attr}", f"must be > 0, got {value!r}")
-        _check(_is_seconds(self.close_grace_s) and self.close_grace_s >= 0, f"{name}.close_grace_s",
-               f"must be >= 0, got {self.close_grace_s!r}")
-        _check(_is_int(self.retry_after_s) and self.retry_after_s >= 0, f"{name}.retry_after_s",
-               f"must be a non-negative integer, got {self.retry_after_s!r}")
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: str) -> str:
+        return check_token("IngestServerConfig.token", value)
+
+    def __repr__(self) -> str:  # never show the token
+        return f"IngestServerConfig(host={self.host!r}, port={self.port})"
 
 
 def _outcome(results: list[str]) -> dict[str, Any]:

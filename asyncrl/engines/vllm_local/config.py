@@ -10,77 +10,94 @@ mostly loads it) and captures a CUDA graph per batch size. What a user can skip,
 
 from __future__ import annotations
 
+import enum
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
+
+from asyncrl.config_base import Flag, PathStr, PositiveInt, config
 from asyncrl.errors import ConfigError
 
 WORKER_EXTENSION = "asyncrl.engines.vllm_local.worker_ext.AsyncRLWorkerExtension"  # loaded by name in workers
 EXECUTOR_QUALNAME = "asyncrl.engines.vllm_local.executor.NappingReadersExecutor"  # loaded by name in EngineCore
-WEIGHT_TRANSFERS = ("auto", "files", "cuda_ipc")
-SLEEP_LEVELS = (0, 1, 2)
 
 
-@dataclass(frozen=True, slots=True)
+class WeightTransfer(str, enum.Enum):
+    """How published weights reach the engine's workers."""
+
+    AUTO = "auto"  # cuda_ipc on a CUDA GPU, files elsewhere
+    FILES = "files"  # safetensors files the workers read
+    CUDA_IPC = "cuda_ipc"  # shared CUDA memory (learner on the same host; one extra weight copy in the engine)
+
+
+@config
 class VLLMEngineConfig:
-    """How the in-process vLLM engine is built."""
+    """How the in-process vLLM engine is built. Only values: the model directory is checked, and the
+    environment vLLM reads is applied, when the engine starts (``check_model``, ``engine_env``)."""
 
-    model: str  # local model directory (config.json, tokenizer and *.safetensors)
-    dtype: str = "auto"  # weights dtype in the engine ("auto" = the checkpoint's)
-    max_model_len: int = 256  # prompt + completion tokens per sequence
-    max_num_seqs: int = 64  # sequences scheduled at once
-    kv_cache_gib: float = 1.0  # KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes)
-    gpu_memory_utilization: float = 0.3  # GPU only, used when kv_cache_gib <= 0
-    enforce_eager: bool = True  # skip torch.compile / CUDA graphs (fast start, tiny models)
-    # With enforce_eager=False: False skips torch.compile (compilation mode 0) and captures full CUDA graphs of
-    # the decode step only (cudagraph_mode FULL_DECODE_ONLY): most of the graphs' speed without the compile time.
-    torch_compile: bool = True
-    # With enforce_eager=False: the batch sizes CUDA graphs are captured for (None: vLLM's default list).
-    # Fewer sizes capture faster; a batch between two sizes runs padded to the next one.
-    cudagraph_capture_sizes: tuple[int, ...] | None = None
-    seed: int = 0
-    # "auto": cuda_ipc on a CUDA GPU, files elsewhere. cuda_ipc keeps one extra copy of the weights in the
-    # engine's GPU memory (the shadows) and needs the learner on the same host.
-    weight_transfer: str = "auto"
-    # Whether vLLM's internal queue readers spin for a second after each message (vLLM's default, True) or nap
-    # between checks (False, see ``executor``). None: nap on CPU, where the spinning takes a core from the
-    # learner; vLLM's own choice elsewhere.
-    busy_wait: bool | None = None
-    # vLLM sleep mode (GPU), for a learner that shares the GPU and trains while nothing generates (the
-    # synchronous pipeline, ``VLLMEngine.sleep``). vLLM's levels: 1 copies the weights to host memory and frees
-    # them and the KV cache; 2 frees both and keeps nothing, so the engine can only wake with a full weight
-    # update. 0: off (vLLM's memory pool is then not used). On CPU sleeping only pauses the engine.
-    sleep: int = 0
-    # More AsyncEngineArgs fields, passed as is; a ``compilation_config`` dict is merged over the one that
-    # ``torch_compile`` and ``cudagraph_capture_sizes`` make.
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not Path(self.model).is_dir():
-            raise ConfigError("VLLMEngineConfig.model", f"model directory {self.model!r} does not exist")
-        if not (Path(self.model) / "config.json").is_file():
-            raise ConfigError("VLLMEngineConfig.model", f"{self.model!r} has no config.json")
-        if self.weight_transfer not in WEIGHT_TRANSFERS:
-            raise ConfigError("VLLMEngineConfig.weight_transfer",
-                              f"must be one of {WEIGHT_TRANSFERS}, got {self.weight_transfer!r}")
-        if not (self.busy_wait is None or isinstance(self.busy_wait, bool)):
-            raise ConfigError("VLLMEngineConfig.busy_wait", f"must be None, True or False, got {self.busy_wait!r}")
-        if self.sleep not in SLEEP_LEVELS or isinstance(self.sleep, bool):
-            raise ConfigError("VLLMEngineConfig.sleep", f"must be one of {SLEEP_LEVELS}, got {self.sleep!r}")
-        sizes = self.cudagraph_capture_sizes
-        if sizes is not None and (not sizes or any(not isinstance(n, int) or n <= 0 for n in sizes)):
-            raise ConfigError("VLLMEngineConfig.cudagraph_capture_sizes",
-                              f"must be None or positive batch sizes, got {sizes!r}")
-        for name in ("max_model_len", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"VLLMEngineConfig.{name}", f"must be a positive integer, got {value!r}")
+    model: Annotated[PathStr, Field(description=(
+        "local model directory (config.json, tokenizer and *.safetensors)"))]
+    dtype: Annotated[str, Field(description="weights dtype in the engine ('auto' = the checkpoint's)")] = "auto"
+    max_model_len: Annotated[PositiveInt, Field(description="prompt + completion tokens per sequence")] = 256
+    max_num_seqs: Annotated[PositiveInt, Field(description="sequences scheduled at once")] = 64
+    kv_cache_gib: Annotated[float, Field(strict=True, allow_inf_nan=False, description=(
+        "KV cache size (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB; GPU: kv_cache_memory_bytes; <= 0 on GPU: "
+        "sized by gpu_memory_utilization)"))] = 1.0
+    gpu_memory_utilization: Annotated[float, Field(strict=True, gt=0, le=1, description=(
+        "GPU only, used when kv_cache_gib <= 0"))] = 0.3
+    enforce_eager: Annotated[Flag, Field(description=(
+        "skip torch.compile / CUDA graphs (fast start, tiny models)"))] = True
+    torch_compile: Annotated[Flag, Field(description=(
+        "with enforce_eager=False: False skips torch.compile (compilation mode 0) and captures full CUDA "
+        "graphs of the decode step only (cudagraph_mode FULL_DECODE_ONLY): most of the graphs' speed without "
+        "the compile time"))] = True
+    cudagraph_capture_sizes: Annotated[tuple[PositiveInt, ...] | None, Field(min_length=1, description=(
+        "with enforce_eager=False: the batch sizes CUDA graphs are captured for (None: vLLM's default list). "
+        "Fewer sizes capture faster; a batch between two sizes runs padded to the next one"))] = None
+    seed: Annotated[int, Field(strict=True, description="the engine's sampling seed")] = 0
+    weight_transfer: Annotated[WeightTransfer, Field(description=(
+        "how weights reach the workers; cuda_ipc keeps one extra copy of the weights in the engine's GPU "
+        "memory (the shadows) and needs the learner on the same host"))] = WeightTransfer.AUTO
+    busy_wait: Annotated[Flag | None, Field(description=(
+        "whether vLLM's internal queue readers spin for a second after each message (vLLM's default, True) "
+        "or nap between checks (False, see ``executor``). None: nap on CPU, where the spinning takes a core "
+        "from the learner; vLLM's own choice elsewhere"))] = None
+    sleep: Annotated[int, Field(strict=True, ge=0, le=2, description=(
+        "vLLM sleep mode level (GPU), for a learner that shares the GPU and trains while nothing generates "
+        "(the synchronous pipeline, ``VLLMEngine.sleep``): 1 copies the weights to host memory and frees them "
+        "and the KV cache; 2 frees both and keeps nothing, so the engine can only wake with a full weight "
+        "update. 0: off (vLLM's memory pool is then not used). On CPU sleeping only pauses the engine"))] = 0
+    extra: Annotated[dict[str, Any], Field(description=(
+        "more AsyncEngineArgs fields, passed as is; a ``compilation_config`` dict is merged over the one that "
+        "``torch_compile`` and ``cudagraph_capture_sizes`` make"))] = Field(default_factory=dict)
 
     def uses_cuda_ipc(self) -> bool:
-        return self.weight_transfer == "cuda_ipc" or (self.weight_transfer == "auto" and not is_cpu_platform())
+        return self.weight_transfer == WeightTransfer.CUDA_IPC or (
+            self.weight_transfer == WeightTransfer.AUTO and not is_cpu_platform())
+
+
+def check_model(cfg: VLLMEngineConfig) -> None:
+    """Refuse a model directory that cannot be loaded; called where the engine starts (it reads the disk)."""
+    if not Path(cfg.model).is_dir():
+        raise ConfigError("VLLMEngineConfig.model", f"model directory {cfg.model!r} does not exist")
+    if not (Path(cfg.model) / "config.json").is_file():
+        raise ConfigError("VLLMEngineConfig.model", f"{cfg.model!r} has no config.json")
+
+
+def engine_env(cfg: VLLMEngineConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables vLLM reads at start-up that ``cfg`` decides, less those ``environ`` sets already (the
+    user's choice wins). The start-up applies them for its duration (``asyncrl.engines.env.scoped_env``)."""
+    if is_cpu_platform():
+        # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
+        wanted = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gib)))}
+    else:
+        # The learner usually lives in this process and has touched CUDA already: forked workers can't.
+        wanted = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def whole_prompts_only() -> bool:
@@ -97,7 +114,8 @@ def is_cpu_platform() -> bool:
 
 
 def engine_args(cfg: VLLMEngineConfig) -> Any:
-    """The ``AsyncEngineArgs`` for ``cfg`` (``cfg.extra`` last, so it can override anything)."""
+    """The ``AsyncEngineArgs`` for ``cfg`` (``cfg.extra`` last, so it can override anything). Pure: the
+    environment it needs is ``engine_env``."""
     from vllm import AsyncEngineArgs
 
     kwargs: dict[str, Any] = dict(
@@ -111,12 +129,7 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
     cpu = is_cpu_platform()
     if (cpu if cfg.busy_wait is None else not cfg.busy_wait):  # nap: asyncrl's executor
         kwargs["distributed_executor_backend"] = EXECUTOR_QUALNAME
-    if cpu:
-        # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.kv_cache_gib))))
-    else:
-        # The learner usually lives in this process and has touched CUDA already: forked workers can't.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if not cpu:  # on CPU the KV size travels in the environment (``engine_env``)
         if cfg.kv_cache_gib > 0:  # a KV size in bytes also skips the memory-utilisation profiling
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
         else:

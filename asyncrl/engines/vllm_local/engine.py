@@ -26,7 +26,8 @@ from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, 
 from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, StagedInEngine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
-from asyncrl.engines.vllm_local.config import VLLMEngineConfig, engine_args
+from asyncrl.engines.env import scoped_env
+from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
@@ -76,9 +77,10 @@ class VLLMEngine(SleepMixin, Engine):
         """Start the engine; blocking start-up runs in a thread so the event loop keeps serving. Cancelling
         the start waits for it to finish and shuts the half-started engine down: no process is left behind,
         nor any of vLLM's socket files."""
-        args = engine_args(cfg)
+        check_model(cfg)
+        args, env = engine_args(cfg), engine_env(cfg)
         rpc_dir = make_rpc_dir()
-        starting = asyncio.ensure_future(asyncio.to_thread(_start_llm, args, rpc_dir))
+        starting = asyncio.ensure_future(asyncio.to_thread(_start_llm, args, env, rpc_dir))
         try:
             llm = await asyncio.shield(starting)
         except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
@@ -363,10 +365,11 @@ class VLLMEngine(SleepMixin, Engine):
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
 
 
-def _start_llm(args: Any, rpc_dir: Path) -> Any:
+def _start_llm(args: Any, env: dict[str, str], rpc_dir: Path) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    with rpc_dir_in_env(rpc_dir):  # the sockets bound here and by the processes it spawns go there
+    # The sockets bound here and by the processes it spawns go to rpc_dir; env holds for the start-up only.
+    with rpc_dir_in_env(rpc_dir), scoped_env(env):
         return AsyncLLM.from_engine_args(args)
 
 

@@ -37,7 +37,7 @@ from asyncrl.engines.common import completion_room, restore_good_weights
 from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
-from asyncrl.engines.vllm_remote.config import RemoteEngineConfig
+from asyncrl.engines.vllm_remote.config import RemoteEngineConfig, check_paths
 from asyncrl.engines.vllm_remote.streaming import SampleBuilder, SseReader
 from asyncrl.engines.weights import (StagedWeights, manifest_dtype, read_manifest, staging_root, validate_and_stage,
                                      validate_update)
@@ -100,6 +100,7 @@ class RemoteVLLMEngine(Engine):
     async def connect(cls, cfg: RemoteEngineConfig, *, name: str | None = None,
                       transport: WeightTransport | None = None) -> RemoteVLLMEngine:
         """Open a session to the server, check it serves ``cfg.model``, and set its weight version to 0."""
+        check_paths(cfg)
         name = name or cfg.base_url
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         # limit=0: control calls (pause!) must never queue behind hundreds of open generation streams.

@@ -10,33 +10,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from asyncrl.aio import together
+from asyncrl.config_base import Seconds, config
 from asyncrl.engines.protocols import WeightUpdate
 from asyncrl.engines.vllm_remote.api import ServerApi
-from asyncrl.errors import ConfigError, WeightUpdateError
+from asyncrl.errors import WeightUpdateError
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@config
 class NcclTransportConfig:
     """Where the trainer side of vLLM's NCCL weight-transfer group lives."""
 
-    master_port: int  # free TCP port for the group's rendezvous store, hosted by this (trainer) process
-    master_address: str = "127.0.0.1"  # this host, as the server's workers reach it
-    device: str = "cuda:0"  # the trainer's GPU, from which weights are broadcast (not one the server uses)
-    init_timeout_s: float = 300.0  # group set-up (the workers join it inside /init_weight_transfer_engine)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
-            raise ConfigError("NcclTransportConfig.master_port", f"must be a TCP port, got {self.master_port!r}")
-        if not isinstance(self.device, str) or not self.device.startswith("cuda"):
-            raise ConfigError("NcclTransportConfig.device", f"must be a CUDA device, got {self.device!r}")
-        if not self.init_timeout_s > 0:
-            raise ConfigError("NcclTransportConfig.init_timeout_s", "must be > 0")
+    master_port: Annotated[int, Field(strict=True, gt=0, lt=65536, description=(
+        "free TCP port for the group's rendezvous store, hosted by this (trainer) process"))]
+    master_address: Annotated[str, Field(min_length=1, description=(
+        "this host, as the server's workers reach it"))] = "127.0.0.1"
+    device: Annotated[str, Field(pattern=r"^cuda", description=(
+        "the trainer's GPU, from which weights are broadcast (not one the server uses)"))] = "cuda:0"
+    init_timeout_s: Annotated[Seconds, Field(description=(
+        "group set-up (the workers join it inside /init_weight_transfer_engine)"))] = 300.0
 
 
 class NcclWeightTransport:
