@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
+                   help="staleness-aware admission and start-order consumption (QueueConfig.admission)")
+    p.add_argument("--correction", default="truncate", help="LossConfig.correction: truncate, mask or m2po")
     p.add_argument("--learner", choices=("fast", "padded"), default="fast",
                    help="ours: fast = packed rows, varlen attention, compiled decoder layers, micro-batches of "
                         "--micro-batch-tokens (compiled once before the timed run); padded = 8-rollout padded rows")
@@ -115,7 +118,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b if synchronous else b * args.inflight_batches),
         queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness),
-                                  max_staleness=0 if synchronous else args.max_staleness),
+                                  max_staleness=0 if synchronous else args.max_staleness, admission=args.admission),
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=args.n,
                                       skip_inert_groups=False, autocast=None if args.cpu_smoke else "bfloat16",
                                       sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous),
@@ -194,7 +197,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     precompile_s = precompile_learner(args, model, config.learner)
     pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
                          config, pad_id=tok.pad_token_id, close_engine=False,
-                         loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"))
+                         loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean",
+                                                correction=args.correction))
     per_step = args.batch_groups * args.n
     marks, tokens, rewards = [], [], []
     t0 = time.perf_counter()
@@ -216,12 +220,27 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                gen_s=result.gen_s, sync_paused_s=result.sync_s, sleep_s=result.sleep_s, dropped=result.dropped,
                unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak), learner_precompile_s=precompile_s,
                learner_options=learner_speed_options(args),
-               staleness_mean=common.staleness_mean(pipe.receiver.statistics().staleness))
+               staleness_mean=common.staleness_mean(pipe.receiver.statistics().staleness),
+               **token_books(pipe, result))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
     del model, pipe
     free_gpu()
     return out
+
+
+def token_books(pipe: Any, result: Any) -> dict[str, Any]:
+    """Completion tokens generated (reaching the queue), trained and dropped by reason, and the generated
+    against the trained mean length: the length-bias and waste figures of the run."""
+    queue = pipe.receiver.metrics()
+    counters = pipe.learner.counters
+    samples = sum(p.counters.samples for p in pipe.producers)
+    return {"tokens_trained": counters.tokens_trained,
+            "tokens_dropped": {k.removeprefix("tokens/dropped_"): v for k, v in queue.items()
+                               if k.startswith("tokens/dropped_")},
+            "generated_len_mean": result.tokens_generated / samples if samples else 0.0,
+            "trained_len_mean": counters.tokens_trained / counters.samples_trained if counters.samples_trained else 0.0,
+            "admission": pipe.config.queue.admission, "correction": pipe.learner.loss.cfg.correction.value}
 
 
 async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]) -> dict[str, Any]:

@@ -39,7 +39,9 @@ run() {  # run NAME MIN_S CMD...: in its own process group, under a limit of wha
   kill -KILL -- "-$pid" 2>/dev/null
   echo "$name rc=$rc $((SECONDS - t))s" | tee -a "$OUT/$SUMMARY"
 }
-WL=(-m bench.gpu_workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site)
+# WORKLOAD_ARGS: more flags for every workload step (e.g. "--steps 24 --max-staleness 4").
+read -r -a EXTRA <<< "${WORKLOAD_ARGS:-}"
+WL=(-m bench.gpu_workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site "${EXTRA[@]}")
 Q05=.cache/bench/gpu-workload/qwen2-0.5b-warm
 for s in $STEPS; do case $s in
   workload) run workload 300 "$PY" "${WL[@]}" --deadline-s $(( $(left) - 25 ));;
