@@ -71,12 +71,14 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
 
 def admission_gate(config: PipelineConfig, clock: VersionClock, step: int = 0) -> AdmissionGate | None:
     """The pipeline's admission gate (``QueueConfig.admission``): the learner consumes ``batch_groups * every``
-    groups per version, and a run resumed at ``step`` is that far into its publication cycle."""
+    groups per version, and a run resumed at ``step`` is that far into its publication cycle. Groups started and not
+    yet trained are bounded by the queue's capacity plus every producer's in-flight slots."""
     if not config.queue.admission:
         return None
     learner = config.learner
     return AdmissionGate(clock, config.queue.max_staleness, learner.batch_groups * learner.sync.every,
-                         offset=(step % learner.sync.every) * learner.batch_groups)
+                         offset=(step % learner.sync.every) * learner.batch_groups,
+                         limit=config.queue.capacity + config.num_producers * config.producer.max_inflight_groups)
 
 
 def _check_backend_alone(model: object, *owned_by_backend: object) -> None:

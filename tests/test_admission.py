@@ -155,3 +155,24 @@ async def test_books_balance_when_a_gated_run_is_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await run
     assert pipe.result.unaccounted == 0 and "stale" not in pipe.result.dropped
+
+
+async def test_a_huge_staleness_bound_still_bounds_what_is_started_and_not_trained():
+    # The window alone would admit a million groups: the queue's capacity plus the producers' in-flight slots
+    # bound what is started and not yet handed to the learner, so memory stays bounded (it did not, at first).
+    cfg = pipeline_config(1_000_000)
+    pipe, tickets = recording_pipeline(uniform, cfg, seed=11)
+    limit = cfg.queue.capacity + cfg.num_producers * cfg.producer.max_inflight_groups
+    gate = pipe.producers[0].admission
+    most = 0
+
+    def watch(step: int, m: dict[str, float]) -> None:
+        nonlocal most
+        most = max(most, int(m["admission/outstanding"]))
+
+    pipe.learner.hooks.append(watch)
+    async with asyncio.timeout(60):
+        stats = await pipe.run(steps=24)
+    assert stats.groups_trained == 48 and stats.unaccounted == 0
+    assert 0 < most <= limit, (most, limit)
+    assert gate.issued <= 48 + limit, f"{gate.issued} groups started for 48 trained (limit {limit})"

@@ -13,7 +13,9 @@ Batches are full and a version is published after every ``K`` groups, so positio
 ``p0 + (i + offset) // K``. Its oldest token was sampled at a version ``>= s`` (versions never go back), so its
 staleness is at most ``p0 + (i + offset) // K - s <= max_staleness`` exactly when the rule admitted it. The rule
 never starves the learner: the groups it needs for the next publication, ``(s - p0 + 1) * K - offset``, are
-always admissible. It assumes only the learner publishes while the gate is in use; a group that still ends up
+always admissible. Memory stays bounded as well: at most ``limit`` groups are started and not yet handed to the
+learner (``grpo_pipeline``: the queue's capacity plus every producer's in-flight slots), so a large
+``max_staleness`` cannot make the queue hold an unbounded number of finished groups. It assumes only the learner publishes while the gate is in use; a group that still ends up
 too stale (a publication from elsewhere, producers outside the gate sharing the queue) is dropped where the
 learner consumes, and counted, as without the gate.
 """
@@ -70,10 +72,13 @@ class AdmissionGate:
     one (as anyio's ``Condition.wait``), so a cancellation never loses a place. The queue asks ``next_due`` (the
     lowest ticket neither released to the learner nor withdrawn) and ``release``s tickets in that order."""
 
-    def __init__(self, clock: VersionClock, max_staleness: int, per_version: int, offset: int = 0) -> None:
-        if per_version <= 0 or not 0 <= offset < per_version or max_staleness < 0:
-            raise ValueError(f"per_version {per_version} > 0, 0 <= offset {offset} < per_version and "
-                             f"max_staleness {max_staleness} >= 0 are needed")
+    def __init__(self, clock: VersionClock, max_staleness: int, per_version: int, offset: int = 0,
+                 limit: int | None = None) -> None:
+        if per_version <= 0 or not 0 <= offset < per_version or max_staleness < 0 or (limit is not None and limit <= 0):
+            raise ValueError(f"per_version {per_version} > 0, 0 <= offset {offset} < per_version, "
+                             f"max_staleness {max_staleness} >= 0 and limit {limit} > 0 (or None) are needed")
+        self.limit = limit  # groups started and not yet handed to the learner, at most (None: the window alone)
+        self._outstanding: set[int] = set()  # tickets issued, neither withdrawn nor handed out
         self.clock = clock
         self.max_staleness = max_staleness
         self.per_version = per_version
@@ -93,6 +98,8 @@ class AdmissionGate:
     def open_now(self) -> bool:
         """Whether one more group may start right now."""
         origin = self.clock.policy if self.origin is None else self.origin
+        if self.limit is not None and len(self._outstanding) >= self.limit:
+            return False
         return admits(self.admitted, self.clock.served, origin, self.max_staleness, self.per_version, self.offset)
 
     async def admit(self) -> int:
@@ -118,8 +125,15 @@ class AdmissionGate:
             return
         self.admitted -= 1
         self.withdrawn += 1
+        self._outstanding.discard(ticket)
         self._settle(ticket)
         self._grant()
+
+    def handed_out(self, ticket: int | None) -> None:
+        """The group of ``ticket`` left the queue for the learner: it no longer counts against ``limit``."""
+        if ticket is not None and ticket in self._outstanding:
+            self._outstanding.remove(ticket)
+            self._grant()
 
     def release(self, ticket: int) -> None:
         """The group of ``ticket`` went to the learner's side of the queue, in order (it keeps its place)."""
@@ -143,6 +157,7 @@ class AdmissionGate:
         if self.origin is None:
             self.origin = self.clock.policy
         ticket, self.issued, self.admitted = self.issued, self.issued + 1, self.admitted + 1
+        self._outstanding.add(ticket)
         return ticket
 
     def _grant(self) -> None:
@@ -166,5 +181,6 @@ class AdmissionGate:
 
     def metrics(self) -> dict[str, float]:
         return {"admission/admitted": self.admitted, "admission/withdrawn": self.withdrawn,
-                "admission/waiting": len(self._waiters), "admission/waits": self.waits,
+                "admission/waiting": len(self._waiters), "admission/outstanding": len(self._outstanding),
+                "admission/waits": self.waits,
                 "admission/open": float(self.open_now())}

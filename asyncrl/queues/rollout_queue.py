@@ -350,6 +350,8 @@ class RolloutReceiver:
                 continue
             taken.append((staleness, now - arrived))
             batch.append(group)
+            if state.gate is not None:
+                state.gate.handed_out(group.ticket)
             state.release_due()  # the room just made may let held groups follow in order
         state.room.notify_all()
 
