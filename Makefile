@@ -29,6 +29,7 @@ demo: setup
 	$(PY) -m examples.grpo_offpolicy $(ARGS)
 
 test: setup
+	$(PY) -m ruff check asyncrl examples bench tests
 	$(PY) -m pytest $(ARGS)
 
 bench: setup

@@ -24,7 +24,7 @@ import asyncrl.launch.layout
 import asyncrl.queues.ingest_server
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.config import (
-    Autocast, EpisodeConfig, LearnerConfig, PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig,
+    Autocast, EpisodeConfig, LearnerConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig,
     describe,
 )
 from asyncrl.config_base import config_classes

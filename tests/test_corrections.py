@@ -250,7 +250,8 @@ def test_truncation_reports_its_capped_fraction_by_bucket_and_keeps_the_old_numb
     old = t([[0, 0, 0], [0, 0, 0]])
     behaviour = t([[-1, -0.5, 0], [0, 0, 0]])
     mask = t([[1, 1, 1], [1, 0, 0]])
-    loss, m = policy_loss(old.clone(), old, behaviour, t([1, 1]), mask, LossConfig(), staleness=t([[2, 1, 0], [0, 0, 0]]))
+    loss, m = policy_loss(old.clone(), old, behaviour, t([1, 1]), mask, LossConfig(),
+                          staleness=t([[2, 1, 0], [0, 0, 0]]))
     assert loss.item() == pytest.approx(-1.412180, abs=1e-5) and m["loss/is_trunc_frac"].item() == 0.25
     assert m["loss/is_trunc_frac_s2"].item() == 1.0 and m["loss/is_trunc_frac_s0"].item() == 0.0
     assert m["loss/token_frac_s0"].item() == 0.5 and m["loss/is_masked_frac"].item() == 0.0

@@ -96,6 +96,7 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"vocab_size": 16}')  # connect reads the vocabulary the server accepts
     return tmp_path
 
 

@@ -267,6 +267,15 @@ def verify(path: str | Path) -> Checkpoint:
         raise CorruptCheckpoint(f"{path.name} is not a step-NNNNNN checkpoint directory")
     if not path.is_dir():
         raise CorruptCheckpoint(f"{path} does not exist")
+    _check_files(path, _read_manifest(path))
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("step") != int(match.group(1)):
+        raise CorruptCheckpoint(f"meta.json says step {meta.get('step')}, the directory says {match.group(1)}")
+    return Checkpoint(path, meta["step"], meta)
+
+
+def _read_manifest(path: Path) -> dict[str, str]:
+    """The manifest's file -> checksum map; ``CorruptCheckpoint`` for a torn write or another format."""
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         files: dict[str, str] = manifest["files"]
@@ -276,6 +285,10 @@ def verify(path: str | Path) -> Checkpoint:
         raise CorruptCheckpoint("no COMPLETE manifest (torn write)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"unreadable COMPLETE manifest: {exc!r}") from None
+    return files
+
+
+def _check_files(path: Path, files: dict[str, str]) -> None:
     for required in (WEIGHTS_FILE, OPTIMIZER_FILE, META_FILE):
         if required not in files:
             raise CorruptCheckpoint(f"manifest does not list {required}")
@@ -285,10 +298,6 @@ def verify(path: str | Path) -> Checkpoint:
             raise CorruptCheckpoint(f"{name} is missing")
         if sha256(file) != digest:
             raise CorruptCheckpoint(f"{name} does not match its checksum")
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("step") != int(match.group(1)):
-        raise CorruptCheckpoint(f"meta.json says step {meta.get('step')}, the directory says {match.group(1)}")
-    return Checkpoint(path, meta["step"], meta)
 
 
 def restore(checkpoint: Checkpoint | str | Path, model: torch.nn.Module,

@@ -1,10 +1,10 @@
 """An Engine wrapper that restarts a dead engine and brings it back to the last published weights.
 
-Without it, a dead engine stops the pipeline with an ``EngineError`` naming it (the pipeline's watchdog
-awaits the engine's death event). With it, that event starts the restart too (``wait_dead``). With it, the first caller to see the death starts a replacement from
-``factory``, reloads the last successful ``WeightUpdate`` (so the version and weights are what the learner
-last published), and retries the failed call once. Requests that were in flight on the dead engine are
-sampled again on the new one, so their groups are not lost.
+Without it, a dead engine stops the pipeline with an ``EngineError`` naming it (the pipeline's watchdog awaits the
+engine's death event). With it, that event starts the restart too (``wait_dead``), and the first caller to see the
+death starts a replacement from ``factory``, reloads the last successful ``WeightUpdate`` (so the version and
+weights are what the learner last published), and retries the failed call once. Requests that were in flight on the
+dead engine are sampled again on the new one, so their groups are not lost.
 
 Memory: the last update's tensors are kept as a CPU copy (one extra copy of the model). The copy is made in a
 worker thread while preparing, before generation pauses.

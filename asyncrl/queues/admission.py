@@ -8,16 +8,16 @@ engines serve now, and ``N`` the groups admitted so far that were not withdrawn 
 The next group may start iff ``N + offset < (s - p0 + max_staleness + 1) * K``.
 
 Why it holds. Groups reach batches in ticket order (the queue holds a group that finished before an earlier one
-started), so the group admitted with ``N`` groups ahead is at position ``i <= N`` of the learner's stream.
-Batches are full and a version is published after every ``K`` groups, so position ``i`` is trained at policy
-``p0 + (i + offset) // K``. Its oldest token was sampled at a version ``>= s`` (versions never go back), so its
-staleness is at most ``p0 + (i + offset) // K - s <= max_staleness`` exactly when the rule admitted it. The rule
-never starves the learner: the groups it needs for the next publication, ``(s - p0 + 1) * K - offset``, are
-always admissible. Memory stays bounded as well: at most ``limit`` groups are started and not yet handed to the
-learner (``grpo_pipeline``: the queue's capacity plus every producer's in-flight slots), so a large
-``max_staleness`` cannot make the queue hold an unbounded number of finished groups. It assumes only the learner publishes while the gate is in use; a group that still ends up
-too stale (a publication from elsewhere, producers outside the gate sharing the queue) is dropped where the
-learner consumes, and counted, as without the gate.
+started), so the group admitted with ``N`` groups ahead is at position ``i <= N`` of the learner's stream. Batches
+are full and a version is published after every ``K`` groups, so position ``i`` is trained at policy ``p0 + (i +
+offset) // K``. Its oldest token was sampled at a version ``>= s`` (versions never go back), so its staleness is at
+most ``p0 + (i + offset) // K - s <= max_staleness`` exactly when the rule admitted it. The rule never starves the
+learner: the groups it needs for the next publication, ``(s - p0 + 1) * K - offset``, are always admissible. Memory
+stays bounded as well: at most ``limit`` groups are started and not yet handed to the learner (``grpo_pipeline``:
+the queue's capacity plus every producer's in-flight slots), so a large ``max_staleness`` cannot make the queue
+hold an unbounded number of finished groups. It assumes only the learner publishes while the gate is in use; a
+group that still ends up too stale (a publication from elsewhere, producers outside the gate sharing the queue) is
+dropped where the learner consumes, and counted, as without the gate.
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ goes back to the producers at once.
 
 With an ``AdmissionGate`` (``asyncrl.queues.admission``) groups carry admission tickets, and the learner gets
 them in ticket (start) order: a group that finished before an earlier-started one is held until that one arrives
-or is withdrawn. Held groups are bounded by the gate's window, not by ``capacity`` (which bounds the released
-ones), and a ticketed send never waits. Groups without a ticket (remote producers, synchronous mode) are
-released on arrival.
+or is withdrawn. Held groups are bounded by the gate (its window and ``limit``), not by ``capacity``, and a ticketed
+send never waits. Groups without a ticket (remote producers, synchronous mode) are released on arrival.
 """
 
 from __future__ import annotations

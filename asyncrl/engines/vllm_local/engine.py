@@ -31,10 +31,14 @@ from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, eng
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
+    dtype_from_name,
     engine_core_sentinels,
+    has_flat_logprobs,
     output_handler,
     pending_outputs_probe,
     quiet_shutdown,
+    sampled_logprobs,
+    validation_error,
 )
 from asyncrl.engines.vllm_local.sleep import SleepMixin
 from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
@@ -56,13 +60,13 @@ class VLLMEngine(SleepMixin, Engine):
         self.name = name
         self._version = 0
         self._stamps = hasattr(llm, "update_weight_version")  # vLLM 0.32+: engine stamps outputs
-        self._flat = _has_flat_logprobs()  # vLLM 0.32+: log-probs as flat lists, not a dict per token
+        self._flat = has_flat_logprobs()  # vLLM 0.32+: log-probs as flat lists, not a dict per token
         # vLLM detokenises every step of every request (Python, per token, in this process, on the core the
         # worker needs); the learner needs only ids, so the text is decoded once per finished sample instead.
         self._tokenizer = llm.tokenizer
         # vLLM's own rule: an id is in the vocabulary if the tokenizer or the model (padded above it) has it.
         self._vocab_size = max(llm.tokenizer.max_token_id + 1, llm.model_config.get_vocab_size())
-        self._refused = _validation_error()
+        self._refused = validation_error()
         self._ipc = cfg.uses_cuda_ipc()
         self._manifest = read_manifest(cfg.model)
         # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
@@ -156,7 +160,7 @@ class VLLMEngine(SleepMixin, Engine):
             else:
                 token_ids.clear(), logprobs.clear()
             token_ids.extend(comp.token_ids)
-            logprobs.extend(_sampled_logprobs(self.name, comp))
+            logprobs.extend(sampled_logprobs(self.name, comp))
             final = comp
         if final is None:
             raise EngineError(self.name, f"request {request_id} ended without output")
@@ -294,7 +298,7 @@ class VLLMEngine(SleepMixin, Engine):
     def _dtype(self) -> Any:
         if self._cfg.dtype == "auto":
             return manifest_dtype(self._manifest)
-        return _dtype_from_name(self._cfg.dtype)
+        return dtype_from_name(self._cfg.dtype)
 
     async def _reload(self, weights_dir: Path) -> None:
         await self._call(self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)}))
@@ -381,36 +385,3 @@ async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConf
         remove_rpc_dir(rpc_dir)
         return  # it failed to start: nothing runs
     await VLLMEngine(llm, cfg, name, rpc_dir).close()
-
-
-def _sampled_logprobs(engine: str, comp: Any) -> list[float]:
-    lps = comp.logprobs
-    if lps is None:
-        raise EngineError(engine, "engine returned no log-probs (logprobs=0 was requested)")
-    flat = getattr(lps, "logprobs", None)  # FlatLogprobs: with logprobs=0, one entry per position, in order
-    if flat is not None and len(flat) == len(comp.token_ids):
-        return flat
-    return [step[tok].logprob for tok, step in zip(comp.token_ids, lps)]
-
-
-def _validation_error() -> type[Exception]:
-    """The class of vLLM's request validation errors: ``VLLMValidationError`` (0.32; not a ``ValueError`` there),
-    plain ``ValueError`` in older releases."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:
-        return ValueError
-    return VLLMValidationError
-
-
-def _has_flat_logprobs() -> bool:
-    from vllm import SamplingParams
-
-    return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
-
-
-def _dtype_from_name(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16, "half": torch.float16}[name]

@@ -10,6 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.errors import EngineError
+
 ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
 
 
@@ -74,3 +76,36 @@ async def quiet_shutdown(llm: Any) -> None:
 
 def _no_op(*_args: Any, **_kwargs: Any) -> None:
     return None
+
+
+def sampled_logprobs(engine: str, comp: Any) -> list[float]:
+    lps = comp.logprobs
+    if lps is None:
+        raise EngineError(engine, "engine returned no log-probs (logprobs=0 was requested)")
+    flat = getattr(lps, "logprobs", None)  # FlatLogprobs: with logprobs=0, one entry per position, in order
+    if flat is not None and len(flat) == len(comp.token_ids):
+        return flat
+    return [step[tok].logprob for tok, step in zip(comp.token_ids, lps)]
+
+
+def validation_error() -> type[Exception]:
+    """The class of vLLM's request validation errors: ``VLLMValidationError`` (0.32; not a ``ValueError`` there),
+    plain ``ValueError`` in older releases."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return ValueError
+    return VLLMValidationError
+
+
+def has_flat_logprobs() -> bool:
+    from vllm import SamplingParams
+
+    return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
+
+
+def dtype_from_name(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16}[name]

@@ -151,7 +151,11 @@ async def server_info(api: ServerApi) -> ServerInfo:
 def model_vocab_size(model_dir: Path) -> int:
     """The ids a vLLM server on ``model_dir`` accepts: the model's vocabulary (``config.json``, padded above the
     tokenizer's) or the tokenizer's, whichever is larger, as vLLM judges it. The server does not report it."""
-    config = json.loads((model_dir / "config.json").read_text())
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError("RemoteEngineConfig.model_dir", f"{model_dir} has no config.json: it names the vocabulary "
+                                                          f"the server accepts")
+    config = json.loads(path.read_text())
     size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
     tokenizer = model_dir / "tokenizer.json"
     if tokenizer.exists():
