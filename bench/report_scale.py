@@ -51,6 +51,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                   f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward", "ours: learner s"], rows) + [""]
+        lines += _token_books(x.get("ours", {}))
     summary = summarise(r)  # from the sides' figures, so files from before _tokens get it too
 
     def ratios(tokens: bool) -> str:
@@ -61,6 +62,20 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
     return lines + [f"Ratios over the whole run, trained samples/s: {ratios(False)}.",
                     f"Completion tokens/s: {ratios(True)}. Where a side trains shorter completions than "
                     "another (mean length), its samples/s ratio flatters it; the tokens/s ratio does not."]
+
+
+def _token_books(ours: dict[str, Any]) -> list[str]:
+    """Where ours' generated tokens went (files from before the admission work record none)."""
+    rows = [[mode, num(side["tokens_generated"], 0), num(side["tokens_trained"], 0),
+             num(100 * side["tokens_trained"] / side["tokens_generated"], 1) + "%",
+             ", ".join(f"{k} {num(v, 0)}" for k, v in side["tokens_dropped"].items() if v) or "none",
+             num(side["generated_len_mean"], 1), num(side["trained_len_mean"], 1),
+             "on" if side["admission"] else "off", side["correction"]]
+            for mode in ("async", "sync") if "tokens_trained" in (side := ours.get(mode, {}))]
+    if not rows:
+        return []
+    return table(["ours", "completion tokens generated", "trained", "share", "dropped (tokens, by reason)",
+                  "generated mean length", "trained mean length", "admission", "correction"], rows) + [""]
 
 
 def _learner_options(x: dict[str, Any]) -> str:
