@@ -33,6 +33,7 @@ from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
     engine_core_sentinels,
+    fail_requests,
     has_flat_logprobs,
     output_handler,
     pending_outputs_probe,
@@ -325,7 +326,9 @@ class VLLMEngine(SleepMixin, Engine):
         return await self._death.wait()
 
     def _died(self, why: str) -> None:
-        self._death.declare(EngineError(self.name, why))
+        if not self._death.declared:
+            self._death.declare(EngineError(self.name, why))
+            fail_requests(self._llm, self._death.error)
 
     def _watch(self) -> None:
         """Declare the death as soon as vLLM's engine-core processes exit (a thread waits on their sentinels,
@@ -357,6 +360,7 @@ class VLLMEngine(SleepMixin, Engine):
             return
         self._closed = True
         self._death.declare(EngineError(self.name, "engine is closed"))  # calls still pending end now
+        fail_requests(self._llm, EngineError(self.name, "engine closed while this request was in flight"))
         if self._stop_watching is not None:
             self._stop_watching.close()
         t0 = time.monotonic()

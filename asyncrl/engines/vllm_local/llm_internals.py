@@ -109,3 +109,12 @@ def dtype_from_name(name: str) -> Any:
 
     return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16, "half": torch.float16}[name]
+
+
+def fail_requests(llm: Any, error: Exception) -> None:
+    """End every request stream still waiting on ``llm`` with ``error``. vLLM does this itself when its output
+    loop sees the engine core die, but a death noticed first by its process sentinel (and the replacement a
+    supervisor starts at once, closing this engine) could otherwise leave streams waiting for good."""
+    processor = getattr(llm, "output_processor", None)
+    if processor is not None:
+        processor.propagate_error(error)
