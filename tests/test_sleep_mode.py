@@ -111,15 +111,20 @@ async def test_wake_without_update_serves_the_weights_it_slept_with(sleepy, tiny
     await sleepy.wake()  # awake: nothing to do
 
 
-@MODULE_LOOP
-async def test_synchronous_pipeline_sleeps_the_engine_during_each_step(sleepy, tiny_model_dir, tokenizer):
+def synchronous_pipeline(target, tiny_model_dir, tokenizer):
+    """A synchronous GRPO pipeline over ``target`` that publishes every second step (so some steps do not)."""
     config = PipelineConfig(
         producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2),
         queue=QueueConfig(capacity=2, max_staleness=0),
         learner=LearnerConfig(batch_groups=2, lr=1e-4, skip_inert_groups=False, sync=SyncConfig(every=2)),
     )
-    pipe = grpo_pipeline(sleepy, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), reward, config,
+    return grpo_pipeline(target, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), reward, config,
                          pad_id=tokenizer.pad_token_id, close_engine=False)
+
+
+@MODULE_LOOP
+async def test_synchronous_pipeline_sleeps_the_engine_during_each_step(sleepy, tiny_model_dir, tokenizer):
+    pipe = synchronous_pipeline(sleepy, tiny_model_dir, tokenizer)
     start, sleeps = sleepy.version, sleepy.sleep_counters.sleeps
     result = await pipe.run_synchronous(steps=3)
     assert result.steps == 3 and sleepy.version == start + 1, "every second step publishes"
@@ -139,13 +144,7 @@ async def test_synchronous_pipeline_sleeps_an_engine_behind_a_pool_or_a_supervis
 
     target = EnginePool([sleepy]) if wrapper == "pool" else SupervisedEngine(sleepy, no_restart)
     assert target.sleep_level == sleepy.sleep_level == 2
-    config = PipelineConfig(
-        producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=4), max_inflight_groups=2),
-        queue=QueueConfig(capacity=2, max_staleness=0),
-        learner=LearnerConfig(batch_groups=2, lr=1e-4, skip_inert_groups=False, sync=SyncConfig(every=2)),
-    )
-    pipe = grpo_pipeline(target, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), reward, config,
-                         pad_id=tokenizer.pad_token_id, close_engine=False)
+    pipe = synchronous_pipeline(target, tiny_model_dir, tokenizer)
     start, sleeps = sleepy.version, sleepy.sleep_counters.sleeps
     result = await pipe.run_synchronous(steps=2)
     assert result.steps == 2 and sleepy.version == target.version == start + 1
