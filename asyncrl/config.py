@@ -124,9 +124,8 @@ class QueueConfig:
     """The bounded rollout queue between producers and learner."""
 
     capacity: Annotated[PositiveInt, Field(description="groups held at most; producers wait when it is full")] = 16
-    # 2: at 1, a producer whose group spans a publication often lands a group that is already too old, and the
-    # drops cost more wall time than the overlap saves (bench/learning.py: async at 2 beats sync in wall time
-    # at equal accuracy; at 1 it does not); at 4 accuracy suffers even with the importance-weight correction.
+    # 2, measured before admission (bench/learning.py): at 1 stale drops cost more wall time than the overlap
+    # saved, at 4 accuracy suffered. With admission nothing is dropped as stale; the default awaits that bench.
     max_staleness: Annotated[NonNegativeInt, Field(description=(
         "groups more than this many versions old are dropped, not trained on"))] = 2
     admission: Annotated[Flag, Field(description=(
