@@ -124,7 +124,7 @@ class QueueConfig:
     """The bounded rollout queue between producers and learner."""
 
     capacity: Annotated[PositiveInt, Field(description="groups held at most; producers wait when it is full")] = 16
-    # 2, measured before admission (bench/learning.py): at 1 stale drops cost more wall time than the overlap
+    # 2, measured before admission (bench/cpu/learning.py): at 1 stale drops cost more wall time than the overlap
     # saved, at 4 accuracy suffered. With admission nothing is dropped as stale; the default awaits that bench.
     max_staleness: Annotated[NonNegativeInt, Field(description=(
         "groups more than this many versions old are dropped, not trained on"))] = 2
@@ -199,7 +199,7 @@ class LearnerConfig:
     nice: Annotated[int, Field(strict=True, ge=0, le=19, description=(
         "niceness added to the learner's training thread (Linux; 0-19). On a CPU host where training shares "
         "cores with vLLM, > 0 lets the engine's processes and the event loop preempt it, so generation keeps "
-        "its pace and training runs on what is left (bench/contention.py: generation 0.77 -> 0.85 of its solo "
+        "its pace and training runs on what is left (bench/cpu/contention.py: generation 0.77 -> 0.85 of its solo "
         "speed at 19). Torch's intra-op worker threads are not the training thread: use 1 torch thread for it "
         "to cover the step"))] = 0
     stall_timeout_s: Annotated[float, Field(strict=True, gt=0, description=(

@@ -1,6 +1,6 @@
 """Pieces every benchmark shares: environment defaults, result files, engine flags and locally built models.
 
-Benchmarks run as modules from the repository root (``python -m bench.engine_limit``). Each writes
+Benchmarks run as modules from the repository root (``python -m bench.cpu.engine_limit``). Each writes
 ``<name>_<device>.json`` (``cpu``, or the GPU's short name such as ``h200``) into ``--out`` (default
 ``bench/results/``; point smoke runs elsewhere, e.g. ``--out /tmp/bench``) through ``Result``, with the same
 header everywhere: hardware (CPU model, cores, RAM, GPU, load average at start and end), versions, date,
@@ -120,8 +120,8 @@ class Result:
     (``bench/results`` by default) at the end."""
 
     def __init__(self, name: str, args: argparse.Namespace | None = None, argv: Sequence[str] | None = None, *,
-                 module: str | None = None):
-        """``module``: what ``python -m`` ran, for the recorded command (default ``bench.<name>``)."""
+                 module: str):
+        """``module``: what ``python -m`` ran, for the recorded command (``bench.cpu.engine_limit``)."""
         self.name = name
         self.t0 = time.perf_counter()
         self.out_dir = Path(getattr(args, "out", None) or RESULTS)
@@ -129,7 +129,7 @@ class Result:
         self.doc: dict[str, Any] = {
             "benchmark": name,
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", "-m", module or f"bench.{name}", *argv]),
+            "command": " ".join(["python", "-m", module, *argv]),
             "hardware": hardware(),
             "versions": versions(),
             "parameters": _jsonable(vars(args)) if args is not None else {},

@@ -10,7 +10,7 @@ it is trained with GRPO: vLLM producers sample groups into a bounded queue while
 them, with groups up to ``--max-staleness`` versions old corrected by truncated importance weights. The
 learning rate ramps up over ``--lr-warmup`` steps and decays linearly to 0 at the last step: a tiny policy's
 greedy answers flip from step to step at a constant rate, and the decay lets the last ones settle
-(``bench/demo_seeds.py`` measures the recipe over seeds).
+(``bench/cpu/demo_seeds.py`` measures the recipe over seeds).
 
 Rewards: the addition task scores exact matches. A ``--prompts`` file (JSONL or Parquet, ``prompt`` /
 ``answer`` columns; verl's GSM8K parquet works) is scored by ``examples.common.answer_reward``: 1 when the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench import report
-from bench.workload_rates import fastest_trl
+from bench.gpu.workload_rates import fastest_trl
 
 
 def test_the_benchmarks_document_matches_the_result_files():

@@ -1,6 +1,6 @@
 """``examples/tool_use.py`` end to end as a user runs it (a real subprocess, the real vLLM engine), kept tiny: a
 few warm-start and RL steps prove the wiring (episodes, tool calls, masked loss, metrics, plot), not learning
-(``bench/tool_use.py`` measures that)."""
+(``bench/cpu/tool_use.py`` measures that)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CPU checks of the pieces the GPU benchmarks stand on: the countdown task (lengths, reward), the start-up
 probe's reading of vLLM's log lines, and the stand-in for TRL's attention kernel. (The benchmarks themselves run
-end to end on CPU with ``python -m bench.gpu_workload --cpu-smoke``.)"""
+end to end on CPU with ``python -m bench.gpu.workload --cpu-smoke``.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import countdown
-from bench.gpu import startup_probe
+from bench.gpu import countdown, startup_probe
 
 
 def test_countdown_lengths_are_long_tailed_and_prompts_in_range():

@@ -8,7 +8,7 @@
 # Results and logs land in $OUT (default /tmp/out). Callers set SUMMARY (default summary.txt) before sourcing
 # if they need another summary file.
 set -u
-[ -f bench/common.py ] || { echo "bench/gpu: run from the repository root (python -m bench.NAME)" >&2; exit 2; }
+[ -f bench/common.py ] || { echo "bench/gpu: run from the repository root (python -m bench.gpu.NAME)" >&2; exit 2; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SUMMARY=${SUMMARY:-summary.txt}
 PY=${PYTHON:-python3}

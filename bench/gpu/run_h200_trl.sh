@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One run on an H200 (vLLM 0.26.0): python -m bench.vs_trl's gen-heavy profile against TRL 1.16.0's GRPOTrainer,
+# One run on an H200 (vLLM 0.26.0): python -m bench.peers.vs_trl's gen-heavy profile against TRL 1.16.0's GRPOTrainer,
 # with transformers generation and with its vLLM colocate mode (the same vLLM as ours). TRL runs in $PY with the
 # pure-Python wheels it lacks (trl, datasets, dill, multiprocess: bench/gpu/fetch_trl_wheels.sh) unpacked from
 # $TRL_WHEELS (default .cache/gpu-trl). Both sides train float32 weights under bf16 autocast. Our engine: eager,
@@ -17,7 +17,7 @@ if [ "$MODE" = mps ]; then
   mkdir -p /tmp/mps /tmp/mps-log && nvidia-cuda-mps-control -d
   trap 'echo quit | nvidia-cuda-mps-control' EXIT
 fi
-step "vs_trl_$MODE" 560 "$PY" -m bench.vs_trl --profiles genheavy --steps "$STEPS" $EAGER \
+step "vs_trl_$MODE" 560 "$PY" -m bench.peers.vs_trl --profiles genheavy --steps "$STEPS" $EAGER \
   --trl-python "$PY" --trl-path /tmp/trl-site --trl-threads 0 --trl-vllm --trl-vllm-path "$VLLM_SITE" \
   --no-try-vllm-colocate --out "$OUT"
 mv "$OUT/vs_trl_h200.json" "$OUT/vs_trl_${MODE}_h200.json" 2>/dev/null

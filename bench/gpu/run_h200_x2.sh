@@ -11,7 +11,7 @@ source bench/gpu/common.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # the host's GPUs are shared: no NVLink multicast
 ws() {  # ws STEP KIND LIMIT [FLAGS...]: weight-sync on the 0.5B shape, its JSON kept as weight_sync_KIND_h200.json
   local name=$1 kind=$2 limit=$3; shift 3
-  ASYNCRL_BENCH_MODEL=/tmp/q05 step "$name" "$limit" "$PY" -m bench.weight_sync --sizes 1gib --background 4 \
+  ASYNCRL_BENCH_MODEL=/tmp/q05 step "$name" "$limit" "$PY" -m bench.cpu.weight_sync --sizes 1gib --background 4 \
     --out "$OUT" "$@"
   mv "$OUT/weight_sync_h200.json" "$OUT/weight_sync_${kind}_h200.json" 2>/dev/null
 }

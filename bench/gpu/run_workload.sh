@@ -2,11 +2,11 @@
 # Issue 15's GPU measurements for one machine kind, in one command under a time budget (default 560 s: each
 # command is meant to end within 10 minutes). Steps run in the order given (default: all of the kind's, most wanted first); a
 # step starts only if its minimum fits in what is left, and gets what is left as its limit.
-#   h200:   workload (python -m bench.gpu_workload: 0.5B, ours async + sync-with-sleep, TRL colocate +/- sleep),
+#   h200:   workload (python -m bench.gpu.workload: 0.5B, ours async + sync-with-sleep, TRL colocate +/- sleep),
 #           sleep (GPU sleep-mode tests: memory freed, sleep/wake times, parity; SLEEP_RESULT lines in run.log),
 #           startup (python -m bench.gpu.startup_probe on the warm-started 0.5B: phases, cold and warm cache),
 #           workload15 (the 1.5B shape: ours async + sync, TRL colocate)
-#   h200x2: workload2 (python -m bench.gpu_workload --layout 2gpu: engine alone, ours async, TRL AsyncGRPOTrainer)
+#   h200x2: workload2 (python -m bench.gpu.workload --layout 2gpu: engine alone, ours async, TRL AsyncGRPOTrainer)
 # TRL's pure-Python wheels (bench/gpu/fetch_trl_wheels.sh, $TRL_WHEELS, default .cache/gpu-trl) are unpacked into
 # /tmp/trl-site. Everything lands in $OUT, in few files: summary.txt, setup.log, run.log (all steps' output), and
 # the steps' JSON.
@@ -41,7 +41,7 @@ run() {  # run NAME MIN_S CMD...: in its own process group, under a limit of wha
 }
 # WORKLOAD_ARGS: more flags for every workload step (e.g. "--steps 24 --max-staleness 4").
 read -r -a EXTRA <<< "${WORKLOAD_ARGS:-}"
-WL=(-m bench.gpu_workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site "${EXTRA[@]}")
+WL=(-m bench.gpu.workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site "${EXTRA[@]}")
 Q05=.cache/bench/gpu-workload/qwen2-0.5b-warm
 for s in $STEPS; do case $s in
   workload) run workload 300 "$PY" "${WL[@]}" --deadline-s $(( $(left) - 25 ));;
@@ -50,7 +50,7 @@ for s in $STEPS; do case $s in
   workload2) run workload2 300 "$PY" "${WL[@]}" --layout 2gpu --deadline-s $(( $(left) - 25 ));;
   sleep) run sleep 90 "$PY" -m pytest -o addopts="" -q -s -m gpu -k sleep tests/test_gpu.py;;
   startup) [ -f "$Q05/config.json" ] || Q05=/tmp/q05-probe
-    [ -f "$Q05/config.json" ] || run build_probe_model 60 "$PY" -m bench.countdown build "$Q05"
+    [ -f "$Q05/config.json" ] || run build_probe_model 60 "$PY" -m bench.gpu.countdown build "$Q05"
     run startup 150 "$PY" -m bench.gpu.startup_probe "$Q05" --out "$OUT" --timeout 150 \
       --variants "${PROBE_VARIANTS:-graphs,nocompile,eager}";;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;

@@ -6,7 +6,7 @@ time) for ``flash_attn_varlen_func``. This serves the same call with PyTorch's o
 or, on a torch without it, with one ``scaled_dot_product_attention`` per sequence. Causal masks align to the
 bottom right, as FlashAttention's do when a query segment is shorter than its keys. Only what TRL's
 ``tree_attention`` passes is supported: causal, no sliding window, no softcap. Used by
-``bench/trl_async_side.py`` only, through ``PYTHONPATH``.
+``bench/peers/trl_async_side.py`` only, through ``PYTHONPATH``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report_util import ms, num, pct, table
-from bench.workload_rates import TRL_LABELS, summarise
+from bench.gpu.workload_rates import TRL_LABELS, summarise
+from bench.report.format import ms, num, pct, table
 
 
 def distributed(r: dict[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Rates and ratios of ``bench.gpu_workload``'s sides: per-run samples/s and tokens/s (whole run and steady state),
+"""Rates and ratios of ``bench.gpu.workload``'s sides: per-run samples/s and tokens/s (whole run and steady state),
 ours over TRL's per shape, and a one-line description of a side. Pure functions of the recorded figures, shared
 by the benchmark and the report (which recomputes ratios from older files too)."""
 

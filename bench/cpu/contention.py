@@ -1,7 +1,7 @@
 """How much colocated training slows vLLM's generation on this machine, and the learner beside it.
 
-    python -m bench.contention            # 3 rounds
-    python -m bench.contention --quick    # 1 round
+    python -m bench.cpu.contention            # 3 rounds
+    python -m bench.cpu.contention --quick    # 1 round
 
 Explains ``async_vs_sync``'s gap to its ideal on a small CPU: the ideal assumes generation and training each run
 at their solo speed when they overlap. Same engine and model as ``async_vs_sync`` (hidden 256, 4 layers,
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     import asyncrl
 
     torch.set_num_threads(1)
-    result = common.Result("contention", args, argv)
+    result = common.Result("contention", args, argv, module="bench.cpu.contention")
     model_dir = common.build_model("async-vs-sync-h256-l4", common.qwen_spec(256, 4, context=256, seed=args.seed))
     res = asyncrl.run(run(args, model_dir))
     print("generation beside it / alone: " + ", ".join(f"{s} {res[f'gen_ratio_{s}']:.2f}" for s in SETTINGS)

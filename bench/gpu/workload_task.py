@@ -1,4 +1,4 @@
-"""The task and policy of ``bench.gpu_workload``: the countdown task at full or smoke scale, its prompts, and the
+"""The task and policy of ``bench.gpu.workload``: the countdown task at full or smoke scale, its prompts, and the
 warm-started policy both sides start from (built and warm-started in their own processes, cached by recipe)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import common, countdown
+from bench import common
+from bench.gpu import countdown
 
 WARM_STEPS = {"qwen2-0.5b": 200, "qwen2-1.5b": 150, "tiny": 200}  # at most; stops at 99.8% accuracy
 
@@ -34,7 +35,7 @@ def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str,
     base = common.CACHE / "gpu-workload" / f"{shape}-base"
 
     def build(out: Path) -> dict[str, Any]:
-        py = [sys.executable, "-m", "bench.countdown"]
+        py = [sys.executable, "-m", "bench.gpu.countdown"]
         if not (base / "config.json").exists():
             subprocess.run([*py, "build", str(base), "--shape", shape, "--seed", str(args.seed)], check=True)
         done = subprocess.run([*py, "warm", str(base), str(out), "--steps", str(steps), "--batch",

@@ -1,5 +1,5 @@
-"""TRL's sides of ``bench.gpu_workload``: the spec each TRL run gets (the same prompts, answers and settings as
-ours), the launch (``bench.trl_side`` for GRPOTrainer, ``bench.trl_async_side`` for AsyncGRPOTrainer against
+"""TRL's sides of ``bench.gpu.workload``: the spec each TRL run gets (the same prompts, answers and settings as
+ours), the launch (``bench.peers.trl_side`` for GRPOTrainer, ``bench.peers.trl_async_side`` for AsyncGRPOTrainer against
 ``vllm serve``), and its rates in the same terms as ours."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.gpu_memory import watch
-from bench.workload_rates import rates
-from bench.workload_task import max_model_len, problems
+from bench.gpu.memory import watch
+from bench.gpu.workload_rates import rates
+from bench.gpu.workload_task import max_model_len, problems
 
 
 def trl_paths(args: argparse.Namespace) -> list[str]:
@@ -46,7 +46,7 @@ def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
 
 async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict[str, Any]:
     """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``), its rates and peak GPU memory added."""
-    from bench import trl_async_side, trl_side
+    from bench.peers import trl_async_side, trl_side
 
     memory = watch(args)
     spec = trl_spec(args, model_dir, side)

@@ -1,7 +1,7 @@
 """Does multi-turn GRPO teach a tiny model to use a tool? Held-out accuracy before and after RL, over seeds.
 
-    python -m bench.tool_use                                  # 3 seeds (~10 min on a quiet 2-core CPU)
-    python -m bench.tool_use --seeds 0 --steps 10 --warm-steps 200 --held-out 50 --out /tmp/bench   # smoke
+    python -m bench.cpu.tool_use                                  # 3 seeds (~10 min on a quiet 2-core CPU)
+    python -m bench.cpu.tool_use --seeds 0 --steps 10 --warm-steps 200 --held-out 50 --out /tmp/bench   # smoke
 
 Each seed runs ``examples/tool_use.py`` end to end: a character-level model with calculator tokens is built and
 warm-started on a mix of tool-using and direct demonstrations (``--warm-tool-frac`` use the tool), then trained
@@ -23,7 +23,7 @@ from typing import Any
 from bench import common
 from examples import calculator, tool_use, tracking
 
-log = logging.getLogger("bench.tool_use")
+log = logging.getLogger("bench.cpu.tool_use")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    result = common.Result("tool_use", args, argv)
+    result = common.Result("tool_use", args, argv, module="bench.cpu.tool_use")
     runs = []
     for seed in args.seeds:
         runs.append(run_seed(args, seed))

@@ -1,7 +1,7 @@
 """Producer -> rollout queue -> consumer overhead, with an engine that costs nothing.
 
-    python -m bench.queue_micro             # 200k rollouts, then a cProfile run of 50k
-    python -m bench.queue_micro --quick     # 50k rollouts, profile of 20k
+    python -m bench.cpu.queue_micro             # 200k rollouts, then a cProfile run of 50k
+    python -m bench.cpu.queue_micro --quick     # 50k rollouts, profile of 20k
 
 A ``FakeEngine`` (no token delay) answers every request at once with one token (``max_tokens=1``, ``n=1``),
 so what is timed is the library's own per-group path: the prompt source, the producer (in-flight slots,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     import asyncrl
 
-    result = common.Result("queue_micro", args, argv)
+    result = common.Result("queue_micro", args, argv, module="bench.cpu.queue_micro")
     asyncrl.run(one_run(args, min(args.rollouts, 10_000)), use_uvloop=not args.no_uvloop)  # warm-up
     runs = [asyncrl.run(one_run(args, args.rollouts), use_uvloop=not args.no_uvloop) for _ in range(args.reps)]
     for r in runs:

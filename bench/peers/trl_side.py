@@ -1,12 +1,12 @@
-"""TRL's side of ``python -m bench.vs_trl``: TRL's own venv, and the training run that happens inside it.
+"""TRL's side of ``python -m bench.peers.vs_trl``: TRL's own venv, and the training run that happens inside it.
 
-    .cache/trl-venv/bin/python -m bench.trl_side SPEC.json RESULT.json      (from the repository root)
+    .cache/trl-venv/bin/python -m bench.peers.trl_side SPEC.json RESULT.json      (from the repository root)
 
-The parent (``bench.vs_trl``, in the project's venv) creates the venv with ``setup_venv`` and runs this module
+The parent (``bench.peers.vs_trl``, in the project's venv) creates the venv with ``setup_venv`` and runs this module
 in TRL's interpreter as a subprocess with ``launch``. SPEC (written by vs_trl): model_dir, out_dir, prompts,
 answers, n, batch_groups, max_tokens, steps, lr, seed, fixed_length (sample exactly max_tokens tokens:
-``min_new_tokens``), reward ("exact", "prefix", or "countdown": ``bench.countdown.reward`` against the answers
-as lengths), use_vllm, threads, bf16; optional (``bench.gpu_workload``): micro_batch (rollouts per forward /
+``min_new_tokens``), reward ("exact", "prefix", or "countdown": ``bench.gpu.countdown.reward`` against the answers
+as lengths), use_vllm, threads, bf16; optional (``bench.gpu.workload``): micro_batch (rollouts per forward /
 backward; the rest of a step is gradient accumulation), vllm_max_model_length, vllm_gpu_memory_utilization,
 vllm_sleep (``vllm_enable_sleep_mode``), save_model. Trains with ``GRPOTrainer`` as a user would (transformers
 generation unless use_vllm), saves the model into out_dir (unless save_model is false) and writes RESULT:
@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRL_VERSION = "1.16.0"
 
 # ------------------------------------------------------------------------------- the parent's side (our venv)
@@ -48,9 +48,9 @@ def setup_venv(python: Path) -> None:
 
 
 def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, paths: list[str],
-           timeout: float, module: str = "bench.trl_side", extra_env: dict[str, str] | None = None) -> dict[
+           timeout: float, module: str = "bench.peers.trl_side", extra_env: dict[str, str] | None = None) -> dict[
         str, Any]:
-    """Run ``module`` (this one, or ``bench.trl_async_side``) in TRL's interpreter ``python`` on ``spec``, with
+    """Run ``module`` (this one, or ``bench.peers.trl_async_side``) in TRL's interpreter ``python`` on ``spec``, with
     ``paths`` as its PYTHONPATH and ``extra_env`` over this process's environment. Returns its RESULT (or an
     ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added."""
     work.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,7 @@ def reward_fn(kind: str):
         return [1.0 if c.strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]
 
     def countdown(completions, answer, **_):
-        from bench.countdown import reward
+        from bench.gpu.countdown import reward
 
         return [reward(c, int(a)) for c, a in zip(completions, answer)]
 

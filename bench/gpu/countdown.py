@@ -1,4 +1,4 @@
-"""The synthetic task of ``bench.gpu_workload``: count down, with long-tailed answer lengths the model learns.
+"""The synthetic task of ``bench.gpu.workload``: count down, with long-tailed answer lengths the model learns.
 
 A prompt is 100-300 tokens: filler words, then ``count down from`` and the number L as a word; the answer is the
 words of L-1 ... 1 0, then end-of-sequence (L + 1 tokens). Numbers are written in letters (``w`` and three
@@ -10,8 +10,8 @@ model splits them the same way), so the task is a successor table (K -> K-1, 0 -
 initialised Qwen2 learns in a brief supervised warm start (``warm_start``). The reward is verifiable from the
 text: the share of the expected countdown the completion gets right from its start (1.0 only when exact).
 
-    python -m bench.countdown build OUT --shape qwen2-0.5b        # tokenizer + random model (own process)
-    python -m bench.countdown warm SRC OUT --steps 150            # supervised warm start on the GPU
+    python -m bench.gpu.countdown build OUT --shape qwen2-0.5b        # tokenizer + random model (own process)
+    python -m bench.gpu.countdown warm SRC OUT --steps 150            # supervised warm start on the GPU
 
 Module level is the standard library only: TRL's side imports ``reward`` and ``problems`` from here.
 """

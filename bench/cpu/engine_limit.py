@@ -1,7 +1,7 @@
 """How close does the full pipeline get to the engine's own generation speed?
 
-    python -m bench.engine_limit            # 4 measured phases of 32 groups (8 x 128 tokens each)
-    python -m bench.engine_limit --quick    # 4 phases of 16 groups
+    python -m bench.cpu.engine_limit            # 4 measured phases of 32 groups (8 x 128 tokens each)
+    python -m bench.cpu.engine_limit --quick    # 4 phases of 16 groups
 
 Same engine, same run, identical requests. Phases alternate (raw, pipe, raw, pipe, ...) after a warm-up:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from bench import common
 
-log = logging.getLogger("bench.engine_limit")
+log = logging.getLogger("bench.cpu.engine_limit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     import asyncrl
 
     torch.set_num_threads(1)  # the no-op learner needs none; keep it off the engine's core
-    result = common.Result("engine_limit", args, argv)
+    result = common.Result("engine_limit", args, argv, module="bench.cpu.engine_limit")
     model_dir = common.build_model(f"engine-limit-h{args.hidden}-l{args.layers}",
                                    common.qwen_spec(args.hidden, args.layers, context=512, seed=args.seed))
     print(f"model: {common.param_count(model_dir) / 1e6:.1f}M params, {args.groups} groups x {args.n} x "

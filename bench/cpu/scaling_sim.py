@@ -1,7 +1,7 @@
 """Scaling beyond the hardware, simulated: fake engines in Ray actors, many producers, one learner.
 
-    python -m bench.scaling_sim                    # 64 producers, 1..8 servers, on a local Ray cluster
-    python -m bench.scaling_sim --quick            # fewer steps and repetitions
+    python -m bench.cpu.scaling_sim                    # 64 producers, 1..8 servers, on a local Ray cluster
+    python -m bench.cpu.scaling_sim --quick            # fewer steps and repetitions
 
 Every server is a Ray actor holding a ``FakeEngine`` (tokens at ``--token-delay-ms`` each, so a server is
 bound by time, not by this machine's cores); rank 0's process runs the real asyncrl pipeline against them:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    result = common.Result("scaling_sim", args)
+    result = common.Result("scaling_sim", args, module="bench.cpu.scaling_sim")
     ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
     try:
         out = asyncio.run(sweep(args))

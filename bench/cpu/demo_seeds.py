@@ -1,7 +1,7 @@
 """``make demo``'s recipe over 5 seeds and the numerics that differ between machines: does it learn everywhere?
 
-    python -m bench.demo_seeds                 # 5 seeds + 4 perturbations of seed 0 (about 30 min on 2 cores)
-    python -m bench.demo_seeds --only seed1 threads2
+    python -m bench.cpu.demo_seeds                 # 5 seeds + 4 perturbations of seed 0 (about 30 min on 2 cores)
+    python -m bench.cpu.demo_seeds --only seed1 threads2
 
 Each run is ``python -m examples.grpo_offpolicy`` with the demo's defaults except the one thing the run is named
 for: the seed (model init, warm start, data order, sampling), 2 torch threads instead of 1 (another reduction
@@ -84,7 +84,7 @@ def summarise(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = common.Result("demo_seeds", args, argv)
+    result = common.Result("demo_seeds", args, argv, module="bench.cpu.demo_seeds")
     names = args.only or list(RUNS)
     rows = {name: run_one(name, RUNS[name], args) for name in names}
     out = summarise(rows)

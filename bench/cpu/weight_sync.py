@@ -1,7 +1,7 @@
 """How long is generation paused per weight sync, against what moving the bytes must cost?
 
-    python -m bench.weight_sync             # models of ~5 MiB, ~250 MiB and ~1 GiB
-    python -m bench.weight_sync --quick     # skips the 1 GiB model
+    python -m bench.cpu.weight_sync             # models of ~5 MiB, ~250 MiB and ~1 GiB
+    python -m bench.cpu.weight_sync --quick     # skips the 1 GiB model
 
 For each model size (untied Qwen2 shapes whose large vocabulary supplies most of the bytes), one engine is
 started and, while a light background load keeps requests in flight, the learner's weights are published
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     import asyncrl
 
     torch.set_num_threads(1)
-    result = common.Result("weight_sync", args, argv)
+    result = common.Result("weight_sync", args, argv, module="bench.cpu.weight_sync")
     models = []
     for name, mib, hidden, layers in SIZES:
         if name not in args.sizes:

@@ -1,7 +1,7 @@
 """Does off-policy GRPO still learn? Synchronous vs asynchronous training at the same sample budget.
 
-    python -m bench.learning            # full: 7 settings x 3 seeds (~40 min on a quiet 2-core CPU)
-    python -m bench.learning --quick    # small version, one seed (~6 min)
+    python -m bench.cpu.learning            # full: 7 settings x 3 seeds (~40 min on a quiet 2-core CPU)
+    python -m bench.cpu.learning --quick    # small version, one seed (~6 min)
 
 Every setting starts from the same warm-started checkpoint (a tiny character-level Qwen2 model taught
 addition by supervised teacher forcing until its held-out greedy accuracy reaches ``--warm-target``) and
@@ -46,7 +46,7 @@ from bench import common
 from examples import common as ex
 from examples import sft, tracking
 
-log = logging.getLogger("bench.learning")
+log = logging.getLogger("bench.cpu.learning")
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
-    result = common.Result("learning", args, argv)
+    result = common.Result("learning", args, argv, module="bench.cpu.learning")
     bases, warm = {}, {}
     for seed in args.seeds:
         task = ex.arithmetic_task(n_held_out=args.held_out, seed=seed, reward=args.reward)

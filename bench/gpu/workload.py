@@ -1,11 +1,11 @@
 """A realistic GRPO workload on the GPU, ours and TRL's side by side: trained samples/s and tokens/s at equal
 samples, with the long-tailed completion lengths of real reasoning traces.
 
-    python -m bench.gpu_workload                            # one H200: gpu_workload_h200.json
-    python -m bench.gpu_workload --layout 2gpu              # two H200s: gpu_workload_h200x2.json
-    python -m bench.gpu_workload --cpu-smoke --out /tmp/w   # tiny shapes on CPU: the code paths, no figures
+    python -m bench.gpu.workload                            # one H200: gpu_workload_h200.json
+    python -m bench.gpu.workload --layout 2gpu              # two H200s: gpu_workload_h200x2.json
+    python -m bench.gpu.workload --cpu-smoke --out /tmp/w   # tiny shapes on CPU: the code paths, no figures
 
-Task (``bench.countdown``): prompts of 100-300 tokens, 8 completions each, whose right answers have lognormal
+Task (``bench.gpu.countdown``): prompts of 100-300 tokens, 8 completions each, whose right answers have lognormal
 lengths (mean ~256, max 1000 tokens + end-of-sequence; ``--max-tokens`` 1024), reward verifiable from the text.
 The policy is a Qwen2-0.5B-shaped model (``--shapes`` also takes ``qwen2-1.5b``), randomly initialised, then
 warm-started briefly on the GPU by supervised training on the task (``--warm-start-steps``), so that both sides
@@ -23,11 +23,11 @@ Layout ``1gpu`` (everything colocated on GPU 0):
 - ``sync``: ours, ``Pipeline.run_synchronous`` on the same engine, which sleeps (``VLLMEngineConfig.sleep``,
   ``--sleep-level``) during every learner step and wakes weights -> update -> KV cache;
 - ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
-  ``vllm_enable_sleep_mode`` (``bench.trl_side``).
+  ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``).
 Layout ``2gpu`` (engine on GPU 1, learner on GPU 0):
 - ``alone``: the engine by itself at the producers' concurrency (tokens/s), then ``async`` as above; their ratio
   ``generation_limit_ratio`` = engine tokens/s during training over the engine alone;
-- ``trl_async``: TRL's ``AsyncGRPOTrainer`` against ``vllm serve`` on GPU 1 (``bench.trl_async_side``).
+- ``trl_async``: TRL's ``AsyncGRPOTrainer`` against ``vllm serve`` on GPU 1 (``bench.peers.trl_async_side``).
 
 Per run: ``samples_per_s`` (trained samples over the training wall time; start-up reported apart), the same over
 the steps after the first ``--skip-steps`` (``samples_per_s_steady``: the pipeline's fill left out),
@@ -53,14 +53,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench import common, countdown, workload_trl
-from bench.gpu_memory import MemoryWatch, free_gpu, watch
-from bench.workload_rates import describe, rates, summarise
-from bench.workload_task import max_model_len, prepare_model, task_prompts
+from bench import common
+from bench.gpu import countdown
+from bench.gpu.memory import MemoryWatch, free_gpu, watch
+from bench.gpu.workload_rates import describe, rates, summarise
+from bench.gpu.workload_task import max_model_len, prepare_model, task_prompts
+from bench.peers import workload_trl
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150}
-log = logging.getLogger("bench.gpu_workload")
+log = logging.getLogger("bench.gpu.workload")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -309,7 +311,7 @@ class Report:
 
     def __init__(self, args: argparse.Namespace, argv: list[str] | None) -> None:
         self.args, self.t0 = args, time.perf_counter()
-        self.result = common.Result("gpu_workload", args, argv)
+        self.result = common.Result("gpu_workload", args, argv, module="bench.gpu.workload")
         self.results: dict[str, Any] = {}
         self.current: dict[str, Any] = {}
         self.skipped: list[str] = []

@@ -1,13 +1,13 @@
 """TRL's asynchronous GRPO (``trl.experimental.async_grpo.AsyncGRPOTrainer``) against a ``vllm serve`` on another
-GPU: the two-GPU TRL side of ``python -m bench.gpu_workload --layout 2gpu``.
+GPU: the two-GPU TRL side of ``python -m bench.gpu.workload --layout 2gpu``.
 
-    python -m bench.trl_async_side SPEC.json RESULT.json      (TRL's interpreter, from the repository root)
+    python -m bench.peers.trl_async_side SPEC.json RESULT.json      (TRL's interpreter, from the repository root)
 
 The parent (``launch``, in the project's environment) starts the OpenAI server on ``server_gpu``
 (``vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config
 {"backend": "nccl"}``, as TRL's documentation asks; started by ``asyncrl.engines.vllm_remote.process``, which
 also loads asyncrl's worker extension: extra RPC methods, nothing on the generation path), waits for
-/health, then runs this module in TRL's interpreter on ``trainer_gpu``. SPEC (from ``bench.gpu_workload``):
+/health, then runs this module in TRL's interpreter on ``trainer_gpu``. SPEC (from ``bench.gpu.workload``):
 model_dir, out_dir, prompts, answers (countdown lengths), n, batch_groups, max_tokens, steps, lr, seed,
 max_staleness, server_url. RESULT: init_s, train_s, samples, step_end_s, completion lengths, rewards, or
 ``error``.
@@ -34,18 +34,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "bench" / "gpu" / "trl_kernels"
 
 
 async def launch(python: str, spec: dict[str, Any], work: Path, name: str, *, paths: list[str], timeout: float,
                  server_gpu: str, trainer_gpu: str, server_args: list[str]) -> dict[str, Any]:
-    """Start the server on ``server_gpu``, run the trainer (``bench.trl_side.launch``) on ``trainer_gpu``, stop
+    """Start the server on ``server_gpu``, run the trainer (``bench.peers.trl_side.launch``) on ``trainer_gpu``, stop
     the server. Returns the trainer's RESULT with ``server_start_s`` added."""
     import asyncio
 
     from asyncrl.engines.vllm_remote.process import free_port, start_vllm_server
-    from bench import trl_side
+    from bench.peers import trl_side
 
     port, log_path = free_port(), work / f"{name}_server.log"
     work.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ async def launch(python: str, spec: dict[str, Any], work: Path, name: str, *, pa
             started = time.perf_counter() - t0
             spec = {**spec, "server_url": server.base_url}
             res = await asyncio.to_thread(trl_side.launch, python, spec, work, name, paths=[str(SHIM), *paths],
-                                          timeout=timeout, module="bench.trl_async_side",
+                                          timeout=timeout, module="bench.peers.trl_async_side",
                                           extra_env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
             res["server_start_s"] = started
     except Exception as exc:  # the server failed to start or died: reported, not raised
@@ -74,7 +74,7 @@ async def launch(python: str, spec: dict[str, Any], work: Path, name: str, *, pa
 
 def countdown_reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
     """Module level: the trainer scores in a spawned process, so the function must pickle by name."""
-    from bench.countdown import reward
+    from bench.gpu.countdown import reward
 
     texts = [c if isinstance(c, str) else (c[-1]["content"] if c else "") for c in completions]
     return [reward(t, int(a)) for t, a in zip(texts, answer)]
@@ -103,7 +103,7 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from bench.trl_side import step_clock
+    from bench.peers.trl_side import step_clock
 
     import kernels  # the stand-in (see the module docstring)
 
@@ -129,7 +129,7 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
 
 
 def main(spec_path: str, out_path: str) -> int:
-    from bench.trl_side import run_reported
+    from bench.peers.trl_side import run_reported
 
     return run_reported(train, spec_path, out_path, {"trl_side": "async"})
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import common, report_scale
-from bench.report_util import ms, num, pct, table
-from bench.workload_rates import TRL_LABELS, over_fastest_trl
+from bench import common
+from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl
+from bench.report import scale as report_scale
+from bench.report.format import ms, num, pct, table
 
 DOC = common.ROOT / "docs" / "BENCHMARKS.md"
 README = common.ROOT / "README.md"
@@ -212,7 +212,7 @@ def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
 def demo_block(results_dir: Path) -> str:
     loaded = _load(results_dir, "demo_seeds_cpu")
     if loaded is None:
-        return "(no demo_seeds result yet: `python -m bench.demo_seeds`)"
+        return "(no demo_seeds result yet: `python -m bench.cpu.demo_seeds`)"
     r, source = loaded
     n = len(r["runs"])
     short = ", ".join(f"{k} {x['gain'] * 100:+.1f}" for k, x in r["runs"].items() if x["gain"] < r["target_gain"])
@@ -227,7 +227,7 @@ def demo_block(results_dir: Path) -> str:
 def tool_use_block(results_dir: Path) -> str:
     loaded = _load(results_dir, "tool_use_cpu")
     if loaded is None:
-        return "(no tool_use result yet: `python -m bench.tool_use`)"
+        return "(no tool_use result yet: `python -m bench.cpu.tool_use`)"
     r, source = loaded
     s = r["summary"]
     return (f"Warm-started briefly, the calculator example learns to call its tool: held-out accuracy "
@@ -326,6 +326,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {DOC.relative_to(common.ROOT)} and the figure blocks of README.md")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
