@@ -1,0 +1,82 @@
+"""Sections on the engine and the learner on a GPU: sleep mode, engine start-up, the learner's speed and MFU,
+a profiled step, and the host costs behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench.report.format import ms, num, pct, table
+
+
+def sleep_mode(r: dict[str, Any]) -> list[str]:
+    rows = [[str(x["level"]), num(x["kv_cache_gib"], 1), num(x["freed_gib"], 2), ms(x["sleep_s"]),
+             ms(x["wake_and_update_s"]), ms(x["update_paused_s"])] for x in r.values()]
+    return table(["level", "KV cache GiB", "GPU memory freed GiB", "sleep", "wake + update", "update paused"], rows)
+
+
+def startup(r: dict[str, Any]) -> list[str]:
+    keys = ("import_s", "spawn_s", "load_s", "compile_total_s", "graph_capture_s", "profile_kv_warmup_s",
+            "init_engine_s", "start_s")
+    rows = [[f"{x['variant']} ({x['cache']} cache)"] + [num(x.get(k), 1) for k in keys]
+            + [num(x.get("decode_tokens_per_s"), 0)] for x in r["runs"]]
+    return table(["variant", "import", "spawn", "load", "compile", "graphs", "profile+KV", "init engine",
+                  "**start s**", "decode tokens/s"], rows)
+
+
+def learner_speed(r: dict[str, Any]) -> list[str]:
+    # Files from before scoring from hidden states have no "scoring": they scored from the full logits; files
+    # from before varlen attention and compiled modules have neither.
+    rows = [["packed" if x["packing"] else "padded", "varlen" if x.get("varlen") else "sdpa",
+             compiled_kind(x), num(x.get("micro_batch_tokens"), 0),
+             "on" if x["grad_ckpt"] else "off", x.get("scoring", "logits"),
+             num(x["step_s"], 3),
+             num(x["tokens_per_step"], 0), num(x["computed_tokens_per_step"] / x["tokens_per_step"], 2),
+             f"**{num(x['tokens_per_s'], 0)}**", f"**{pct(x['mfu'])}**", num(x.get("peak_memory_gib"), 1)]
+            for x in r["runs"]]
+    header = ["rows", "attention", "compiled", "micro-batch tokens", "grad ckpt", "log-probs from", "step s",
+              "real tokens/step", "computed/real", "tokens/s", "MFU", "peak GiB"]
+    return table(header, rows) + ["", f"Shape {r['shape']}; MFU = 6 x params x tokens/s / 989 TFLOP/s (H200 dense "
+                                      "bf16); goal 40%."]
+
+
+def compiled_kind(run: dict[str, Any]) -> str:
+    """What a learner run compiled: whole decoder layers, the element-wise chains, or nothing."""
+    return "layers" if run.get("compiled_layers") else "chains" if run.get("compiled") else "off"
+
+
+def learner_profile(r: dict[str, Any]) -> list[str]:
+    k, total = r["kernel_s"], r["kernel_total_s"]
+    rows = [[kind, num(k[kind], 3), pct(k[kind] / total)] for kind in ("matmul", "attention", "other")]
+    return table(["kernels", "device s", "share"], rows) + [
+        "", f"Step wall {num(r['step_wall_s'], 3)} s, kernels {num(total, 3)} s; MFU {pct(r['mfu'])}. If only the "
+            f"matrix multiplies took time: **{pct(r['mfu_matmul_bound'])}** (the bound no fusion of the rest "
+            "can pass at these matmul speeds)."]
+
+
+def host_probe(r: dict[str, Any]) -> list[str]:
+    c = r["cpu_ops"]
+    rows = [[f"torch, {c['torch_threads']} threads (default)", num(c["torch_default_threads_us"], 0)],
+            ["torch, 1 thread", num(c["torch_one_thread_us"], 0)], ["numpy", num(c["numpy_us"], 0)]]
+    out = table(["CPU index maths on a row layout's scale", "us per call"], rows)
+    if (m := r.get("matmul_launch")) is not None:
+        rows = [["every call a new shape", num(m["new_shapes_us"], 1)], ["one shape", num(m["one_shape_us"], 1)],
+                ["16 widths, first pass", num(m["16_widths_first_pass_us"], 1)],
+                ["16 widths, again", num(m["16_widths_again_us"], 1)]]
+        out += ["", *table(["bf16 matmul launches (device busy)", "host us per launch"], rows)]
+    return out + ["", "Why the learner lays rows out in numpy and rounds a one-row micro-batch's width "
+                      "(docs/ARCHITECTURE.md)."]
+
+
+FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "sleep": ("Sleep mode", "vLLM sleep levels 1 and 2 on the GPU test model: memory freed, sleep, wake with a "
+              "weight update, and the log-prob parity check passed.", sleep_mode),
+    "startup_probe": ("Engine start-up on the GPU", "Where an engine start's seconds go, per variant (seconds).",
+                      startup),
+    "learner_speed": ("Learner speed and MFU", "LocalBackend steps on synthetic RL batches (completion lengths "
+                      "vary 38-384 tokens, prompts 128), bf16 on one H200.", learner_speed),
+    "learner_profile": ("Where a learner step's device time goes", "One profiled LocalBackend step, kernels "
+                        "grouped by kind (bench/gpu/profile_learner.py).", learner_profile),
+    "host_probe": ("Host costs behind a learner step", "bench/gpu/host_probe.py: matmul launches with new and "
+                   "recurring shapes, and CPU index maths in torch and numpy.", host_probe),
+}

@@ -1,0 +1,126 @@
+"""The README's figure blocks (between ``<!-- figures:NAME:begin -->`` and ``end`` markers): the demo over
+seeds, tool use, and the headline figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl
+from bench.report.document import repeat_of, results_of
+from bench.report.format import ms, num, pct
+from bench.report.gpu import compiled_kind
+from bench.report.learning import multi_seed
+
+README = common.ROOT / "README.md"
+
+
+def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
+    path = results_dir / f"{name}.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return results_of(doc), f"`{path.relative_to(common.ROOT)}`, {doc['hardware']['cpu']}, {str(doc['date'])[:10]}"
+
+
+def demo_block(results_dir: Path) -> str:
+    loaded = _load(results_dir, "demo_seeds_cpu")
+    if loaded is None:
+        return "(no demo_seeds result yet: `python -m bench.cpu.demo_seeds`)"
+    r, source = loaded
+    n = len(r["runs"])
+    short = ", ".join(f"{k} {x['gain'] * 100:+.1f}" for k, x in r["runs"].items() if x["gain"] < r["target_gain"])
+    return (f"Held-out greedy accuracy over {n} runs (5 seeds, then seed 0 with 2 torch threads, a bf16 warm start, "
+            f"and warm starts stopped at 25% and 35%): **{pct(r['before_mean'])} -> {pct(r['after_mean'])}** on "
+            f"average, a gain of **{r['gain_mean'] * 100:+.1f} points** (sd {r['gain_std'] * 100:.1f}, minimum "
+            f"**{r['gain_min'] * 100:+.1f}**), at {num(r['samples_per_s_mean'], 0)} trained samples/s on 2 cores "
+            f"({source}). The goal of +{r['target_gain'] * 100:.0f} points in every run is "
+            f"{'met' if r['meets_target'] else f'**not met** ({short}; per-run table in docs/BENCHMARKS.md)'}.")
+
+
+def tool_use_block(results_dir: Path) -> str:
+    loaded = _load(results_dir, "tool_use_cpu")
+    if loaded is None:
+        return "(no tool_use result yet: `python -m bench.cpu.tool_use`)"
+    r, source = loaded
+    s = r["summary"]
+    return (f"Warm-started briefly, the calculator example learns to call its tool: held-out accuracy "
+            f"**{pct(s['accuracy_before']['mean'])} -> {pct(s['accuracy_after']['mean'])}** (minimum after "
+            f"{pct(s['accuracy_after']['min'])}), tool-call rate {pct(s['tool_rate_before']['mean'])} -> "
+            f"{pct(s['tool_rate_after']['mean'])}, means over {len(r['runs'])} seeds ({source}).")
+
+
+def headline_block(results_dir: Path) -> str:
+    lines = []
+    if (x := _load(results_dir, "engine_limit_cpu")) is not None:
+        r, source = x
+        lines.append(f"- Engine limit: the whole producer path runs at **{num(r['ratio'], 3)}** of the bare engine's "
+                     f"tokens/s ({source}).")
+    if (x := _load(results_dir, "queue_micro_cpu")) is not None:
+        r, source = x
+        lines.append(f"- Queue layer: **{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 enqueue-to-dequeue "
+                     f"**{num(r['p99_ms'], 2)} ms** ({source}).")
+    if (x := _load(results_dir, "learning_cpu")) is not None and multi_seed(x[0]):
+        r, source = x
+        best = max(((k, v) for k, v in r["verdict"].items() if not k.endswith("_no_is")),
+                   key=lambda kv: kv[1]["speedup_vs_sync"], default=None)
+        if best is not None:
+            lines.append(f"- Learning at equal samples: {best[0]} reaches {num(best[1]['accuracy_vs_sync'])}x the "
+                         f"synchronous accuracy in 1/{num(best[1]['speedup_vs_sync'])} of its wall time, means "
+                         f"over seeds ({source}).")
+    if (x := _load(results_dir, "weight_sync_cpu")) is not None:
+        r, source = x
+        m = r["models"][0]
+        lines.append(f"- Weight sync: generation paused {ms(m['total_paused_s'])} for a {num(m['mib'], 0)} MiB "
+                     f"model, {num(m['ratio_to_reload_floor'])}x vLLM's own reload ({source}).")
+    return "\n".join(lines + gpu_headlines(results_dir)) or "(no results yet)"
+
+
+def _earlier_workload(earlier: tuple[dict[str, Any], Path] | None, shape: str) -> str:
+    """The same ratios from the earlier run, where there is one: TRL's rate varies from run to run, so one run
+    is not quoted alone."""
+    if earlier is None or (vs := over_fastest_trl(results_of(earlier[0]), shape)) is None:
+        return ""
+    return (f"; an earlier run of the same command gave {num(vs[1])}x and {num(vs[2])}x over its fastest TRL mode "
+            f"(`{earlier[1].relative_to(common.ROOT)}`)")
+
+
+def gpu_headlines(results_dir: Path) -> list[str]:
+    lines = []
+    if (x := _load(results_dir, "gpu_workload_h200")) is not None:
+        r, source = x
+        earlier = repeat_of(results_dir / "gpu_workload_h200.json")
+        for shape, side in ((k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v):
+            ours, vs = side["ours"].get("async"), over_fastest_trl(r, shape)
+            if ours and vs:
+                lines.append(f"- GPU, {shape}, long-tailed completions: ours async trains "
+                             f"{num(ours['samples_per_s'], 1)} samples/s against TRL's fastest single-GPU mode in "
+                             f"the run ({TRL_LABELS[vs[0]]}) at {num(side[vs[0]]['samples_per_s'], 1)}: "
+                             f"**{num(vs[1])}x** in samples/s, **{num(vs[2])}x** in completion tokens/s "
+                             f"({source}){_earlier_workload(earlier, shape)}.")
+    if (x := _load(results_dir, "learner_speed_h200_ladder")) is not None:
+        r, source = x
+        best = max(r["runs"], key=lambda run: run["tokens_per_s"])
+        first = r["runs"][0]
+        gain = best["tokens_per_s"] / first["tokens_per_s"]
+        compiled = {"layers": "compiled decoder layers", "chains": "compiled element-wise chains",
+                    "off": "nothing compiled"}[compiled_kind(best)]
+        lines.append(f"- Learner, {r['shape']} bf16: **{num(best['tokens_per_s'], 0)} tokens/s, MFU "
+                     f"{pct(best['mfu'])}** with varlen attention, {compiled} and "
+                     f"{num(best['micro_batch_tokens'], 0)}-token micro-batches, {num(gain)}x packed sdpa in the "
+                     f"same run ({source}).")
+    return lines
+
+
+def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:
+    for name, block in (("demo", demo_block(results_dir)), ("tool_use", tool_use_block(results_dir)),
+                        ("headline", headline_block(results_dir))):
+        begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        if not rest:
+            raise ValueError(f"README.md has no {begin} marker")
+        text = f"{head}{begin}\n{block}\n{end}{tail}"
+    return text
