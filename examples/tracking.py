@@ -84,7 +84,8 @@ def lr_schedule(optimizer: Any, warmup: int = 0, decay_to: int = 0) -> Callable[
 
 
 class ProgressHook:
-    """A tqdm bar over learner steps: reward, staleness, queue depth, last sync time, last accuracy."""
+    """A tqdm bar over learner steps: reward, staleness, trained/generated length, the share of tokens whose importance
+    weight was cut, queue depth, last sync time, last accuracy."""
 
     def __init__(self, steps: int, desc: str = "GRPO", disable: bool = False) -> None:
         from tqdm import tqdm
@@ -94,9 +95,15 @@ class ProgressHook:
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self.last_acc = metrics.get("eval/accuracy", self.last_acc)
+        bitten = metrics.get("loss/is_trunc_frac", 0.0) + metrics.get("loss/is_masked_frac", 0.0)
         post = {
             "reward": f"{metrics.get('train/reward_mean', float('nan')):.2f}",
             "stale": f"{metrics.get('rollout/staleness_batch_mean', 0.0):.1f}",
+            # trained against generated mean completion length: a gap is length bias
+            "len": f"{metrics.get('length/trained_mean', 0.0):.1f}/{metrics.get('length/generated_mean', 0.0):.1f}",
+            "is_cut": f"{bitten:.1%}",  # model tokens whose importance weight was capped or masked
+            # completion tokens trained so far over those generated (the rest queued, in flight or dropped)
+            "kept": f"{metrics.get('tokens/trained', 0) / max(1, metrics.get('tokens/generated', 0)):.0%}",
             "queue": int(metrics.get("queue/depth", 0)),
             "sync": f"{metrics.get('sync/total_s', 0.0) * 1000:.0f}ms",
         }

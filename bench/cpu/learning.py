@@ -1,19 +1,25 @@
 """Does off-policy GRPO still learn? Synchronous vs asynchronous training at the same sample budget.
 
-    python -m bench.cpu.learning            # full: 7 settings x 3 seeds (~40 min on a quiet 2-core CPU)
-    python -m bench.cpu.learning --quick    # small version, one seed (~6 min)
+    python -m bench.cpu.learning            # full: 10 settings x 3 seeds (~35 min on a quiet 2-core CPU)
+    python -m bench.cpu.learning --quick    # small version, one seed
 
 Every setting starts from the same warm-started checkpoint (a tiny character-level Qwen2 model taught
 addition by supervised teacher forcing until its held-out greedy accuracy reaches ``--warm-target``) and
 trains on the same prompt order for the same number of samples (steps x groups x n):
 
 - ``sync``: ``Pipeline.run_synchronous`` (generate a batch, train, publish; max staleness 0);
-- ``async_s{1,2,4}``: ``Pipeline.run`` with max staleness 1, 2, 4 and token-level truncated importance
-  weights (``is_level="token"``); ``async_s{k}_no_is``: the same without the correction (``"none"``);
-- opt-in rows, run only when named in ``--only`` (the default run is the seven above): ``async_s8`` (truncation
-  at staleness 8) and, at staleness 4 and 8, the other corrections of ``LossConfig.correction``:
-  ``async_s{k}_mis`` (token-level masked importance sampling), ``async_s4_mis_seq`` (sequence level) and
-  ``async_s{k}_m2po`` (M2PO's second-moment mask), e.g. ``--only sync async_s4 async_s4_mis async_s4_m2po``.
+- ``async_s{1,2,4,8}``: ``Pipeline.run`` with staleness-aware admission (``QueueConfig.admission``) at max
+  staleness 1, 2, 4, 8 and token-level truncated importance weights (``correction="truncate"``);
+- ``async_s{4,8}_mis`` and ``async_s{4,8}_m2po``: the same at staleness 4 and 8 with the other corrections of
+  ``LossConfig.correction``, token-level masked importance sampling and M2PO's second-moment mask;
+- ``async_s4_no_admission``: the old rule (no admission: finish order, stale groups dropped; truncation);
+- opt-in rows, run only when named in ``--only``: ``async_s2_no_admission``, ``async_s4_mis_seq`` (sequence-level
+  masking) and ``async_s{1,2,4}_no_is`` (no importance weight at all), e.g. ``--only sync async_s4_mis_seq``.
+
+Besides the final held-out accuracy, each run records ``last3_accuracy`` (the mean of the last three
+evaluations, a less noisy estimate of where the run ended), the groups dropped by reason, the tokens generated,
+and ``step_means``: per-step gauges averaged over the run (importance weights capped or masked, token staleness,
+trained against generated mean length).
 
 One vLLM engine serves every setting: before each one, the base weights are published into it (pause ->
 reload -> resume, a new version, through a ``WeightSync``) and a fresh learner (new model copy and optimiser)
@@ -58,25 +64,29 @@ class Setting:
     max_staleness: int
     is_level: str  # "token", "sequence" or "none"
     correction: str = "truncate"  # LossConfig.correction: "truncate", "mask" or "m2po"
+    admission: bool = True  # QueueConfig.admission
     opt_in: bool = False  # runs only when named in --only
 
 
-# Sync and the corrected async runs go first, back to back, so load drift on a shared machine biases their
-# wall-time comparison as little as possible.
+# Sync and the async runs go first, back to back, so load drift on a shared machine biases their wall-time
+# comparison as little as possible. Every async row runs with staleness-aware admission unless it says otherwise.
 SETTINGS = (
     Setting("sync", True, 0, "token"),
     Setting("async_s1", False, 1, "token"),
     Setting("async_s2", False, 2, "token"),
     Setting("async_s4", False, 4, "token"),
-    Setting("async_s1_no_is", False, 1, "none"),
-    Setting("async_s2_no_is", False, 2, "none"),
-    Setting("async_s4_no_is", False, 4, "none"),
-    Setting("async_s4_mis", False, 4, "token", "mask", opt_in=True),
+    Setting("async_s8", False, 8, "token"),
+    Setting("async_s4_mis", False, 4, "token", "mask"),
+    Setting("async_s8_mis", False, 8, "token", "mask"),
+    Setting("async_s4_m2po", False, 4, "token", "m2po"),
+    Setting("async_s8_m2po", False, 8, "token", "m2po"),
+    # The old rule: no admission (start whenever there is room, train in finish order, drop what is too stale).
+    Setting("async_s4_no_admission", False, 4, "token", admission=False),
+    Setting("async_s2_no_admission", False, 2, "token", admission=False, opt_in=True),
     Setting("async_s4_mis_seq", False, 4, "sequence", "mask", opt_in=True),
-    Setting("async_s4_m2po", False, 4, "token", "m2po", opt_in=True),
-    Setting("async_s8", False, 8, "token", opt_in=True),
-    Setting("async_s8_mis", False, 8, "token", "mask", opt_in=True),
-    Setting("async_s8_m2po", False, 8, "token", "m2po", opt_in=True),
+    Setting("async_s1_no_is", False, 1, "none", opt_in=True),
+    Setting("async_s2_no_is", False, 2, "none", opt_in=True),
+    Setting("async_s4_no_is", False, 4, "none", opt_in=True),
 )
 
 
@@ -132,7 +142,8 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
     return asyncrl.PipelineConfig(
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b),
-        queue=asyncrl.QueueConfig(capacity=ex.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness),
+        queue=asyncrl.QueueConfig(capacity=ex.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness,
+                                  admission=s.admission),
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
                                       sync=asyncrl.SyncConfig(mode="keep")),
     )
@@ -158,8 +169,9 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
                              loss_config=LossConfig(is_level=s.is_level, correction=s.correction),
                              pad_id=tok.pad_token_id, close_engine=False)
     evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+    telemetry = MeanOfSteps(TELEMETRY)
     progress = tracking.ProgressHook(args.steps, desc=f"{s.name:>15}", disable=args.no_progress)
-    pipeline.learner.hooks += [evals, progress]
+    pipeline.learner.hooks += [evals, telemetry, progress]
     load_before = os.getloadavg()[0]
     try:
         run = await (pipeline.run_synchronous if s.synchronous else pipeline.run)(args.steps)
@@ -169,10 +181,12 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
         else await evals.evaluate(args.steps)
     queue = pipeline.receiver.metrics()
     return {
-        "final_accuracy": final, "wall_s": run.wall_s - evals.seconds, "mean_staleness":
+        "final_accuracy": final, "last3_accuracy": statistics.fmean([a for _, a, _ in evals.points[-3:]] or [final]),
+        "wall_s": run.wall_s - evals.seconds, "mean_staleness":
         queue["rollout/staleness_mean"], "samples_trained": run.samples_trained, "steps": run.steps,
         "synchronous": s.synchronous, "max_staleness": s.max_staleness, "is_level": s.is_level,
-        "correction": s.correction,
+        "correction": s.correction, "admission": s.admission, "groups_trained": run.groups_trained,
+        "tokens_generated": run.tokens_generated, "step_means": telemetry.means(),
         "wall_s_with_eval": run.wall_s, "eval_s": evals.seconds, "train_s": run.train_s,
         "sync_s": run.sync_s, "gen_s": run.gen_s, "samples_per_s": run.samples_trained /
         max(1e-9, run.wall_s - evals.seconds), "dropped": run.dropped, "unaccounted": run.unaccounted,
@@ -226,10 +240,33 @@ async def base_accuracy(engine: Any, base: Path, tok: Any, task: ex.Task, args: 
     return before
 
 
+# Per-step gauges averaged over a run: where the correction bites, how stale the tokens were, and whether the
+# trained completions kept the generated length distribution.
+TELEMETRY = ("loss/is_trunc_frac", "loss/is_masked_frac", "loss/is_weight_mean", "loss/staleness_mean",
+             "loss/staleness_max", "length/trained_mean", "length/generated_mean", "rollout/staleness_batch_mean")
+
+
+class MeanOfSteps:
+    """A learner hook: the mean over steps of each named metric the steps reported."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.sums = dict.fromkeys(names, 0.0)
+        self.counts = dict.fromkeys(names, 0)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        for name in self.sums:
+            if name in metrics:
+                self.sums[name] += float(metrics[name])
+                self.counts[name] += 1
+
+    def means(self) -> dict[str, float]:
+        return {name: self.sums[name] / self.counts[name] for name in self.sums if self.counts[name]}
+
+
 def aggregate(by_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Mean and population standard deviation over seeds of the figures verdicts are taken on."""
     out: dict[str, Any] = {"seeds": by_seed}
-    for key in ("final_accuracy", "wall_s", "mean_staleness", "samples_per_s"):
+    for key in ("final_accuracy", "last3_accuracy", "wall_s", "mean_staleness", "samples_per_s"):
         values = [r[key] for r in by_seed.values()]
         out[f"{key}_mean"] = statistics.fmean(values)
         out[f"{key}_std"] = statistics.pstdev(values)
