@@ -72,13 +72,13 @@ def staging(tmp_path: Path) -> Path:
     return out
 
 
-# The real vLLM server of tests/test_remote_engine*.py, one per module: kept for the session, an idle server
-# would sit beside every later module (its processes among theirs). The model is built once.
+# The real vLLM server of tests/engines/vllm_remote/test_remote_engine*.py, one per module: kept for the session,
+# an idle server would sit beside every later module (its processes among theirs). The model is built once.
 
 
 @pytest.fixture(scope="session")
 def remote_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.remote_engine_support import remote_model
+    from tests.support.remote_engine import remote_model
 
     return remote_model(tmp_path_factory)
 
@@ -95,7 +95,7 @@ def hf_model(remote_model_dir: Path):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server_a(remote_model_dir: Path):
     """A vLLM server on ``remote_model_dir``. Tests may publish weights to it; none may stop it."""
-    from tests.remote_engine_support import served
+    from tests.support.remote_engine import served
 
     async for server in served(remote_model_dir):
         yield server

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on two H200s of one host (vLLM 0.26.0, and the packages its OpenAI API server needs).
-#   part 1: the NCCL weight transport against a vLLM HTTP server (tests/test_remote_engine.py, gpu marker),
+#   part 1: the NCCL weight transport against a vLLM HTTP server
+#           (tests/engines/vllm_remote/test_remote_engine.py, gpu marker),
 #           then the weight-sync benchmark on a Qwen2-0.5B shape with the learner colocated (CUDA IPC path).
 #   part 2: the benchmark again, the in-process GPU tests (both weight transfers), the benchmark over files.
 #   nccl:   the NCCL test alone, with its sync times printed.
@@ -17,13 +18,13 @@ ws() {  # ws STEP KIND LIMIT [FLAGS...]: weight-sync on the 0.5B shape, its JSON
 }
 [ "$PART" = nccl ] || build_q05
 if [ "$PART" = nccl ]; then
-  step nccl 300 "$PY" -m pytest -o addopts="" -q -s -m gpu -k nccl tests/test_remote_engine.py
+  step nccl 300 "$PY" -m pytest -o addopts="" -q -s -m gpu -k nccl tests/engines/vllm_remote/test_remote_engine.py
 elif [ "$PART" = 1 ]; then
-  step nccl 240 "$PY" -m pytest -o addopts="" -q -m gpu -k nccl tests/test_remote_engine.py
+  step nccl 240 "$PY" -m pytest -o addopts="" -q -m gpu -k nccl tests/engines/vllm_remote/test_remote_engine.py
   ws ws_ipc ipc 180 --reps 5
 else
   ws ws_ipc2 ipc 180 --reps 5
-  step gpu_tests 240 "$PY" -m pytest -o addopts="" -q -m gpu tests/test_gpu.py
+  step gpu_tests 240 "$PY" -m pytest -o addopts="" -q -m gpu tests/engines/vllm_local/test_gpu.py
   ws ws_files files 150 --reps 3 --transfer files
 fi
 grep -hE "passed|failed|skipped|error|^E |paused|NCCL sync" "$OUT"/*.log | grep -v WARNING | tail -30

@@ -5,7 +5,7 @@
 # Usage, from the repository root:  bash bench/gpu/run_learner_speed.sh   (logs and JSON land in $OUT)
 source bench/gpu/common.sh
 step host_probe 60 "$PY" -m bench.gpu.host_probe --out "$OUT"
-step gpu_varlen_tests 150 "$PY" -m pytest -o addopts="" -q -m gpu tests/test_gpu_varlen.py
+step gpu_varlen_tests 150 "$PY" -m pytest -o addopts="" -q -m gpu tests/algorithms/test_gpu_varlen.py
 step learner_ladder 300 "$PY" -m bench.gpu.learner_speed --shape qwen2-0.5b --ladder --out "$OUT"
 for compiled in --compile --compile-layers; do
   step "learner_profile$compiled" 120 "$PY" -m bench.gpu.profile_learner --shape qwen2-0.5b --packing \

@@ -48,7 +48,7 @@ for s in $STEPS; do case $s in
   workload15) run workload15 240 "$PY" "${WL[@]}" --shapes qwen2-1.5b --sides async,sync,trl --tag q15 \
       --micro-batch-tokens 32768 --deadline-s $(( $(left) - 25 ));;
   workload2) run workload2 300 "$PY" "${WL[@]}" --layout 2gpu --deadline-s $(( $(left) - 25 ));;
-  sleep) run sleep 90 "$PY" -m pytest -o addopts="" -q -s -m gpu -k sleep tests/test_gpu.py;;
+  sleep) run sleep 90 "$PY" -m pytest -o addopts="" -q -s -m gpu -k sleep tests/engines/vllm_local/test_gpu.py;;
   startup) [ -f "$Q05/config.json" ] || Q05=/tmp/q05-probe
     [ -f "$Q05/config.json" ] || run build_probe_model 60 "$PY" -m bench.gpu.countdown build "$Q05"
     run startup 150 "$PY" -m bench.gpu.startup_probe "$Q05" --out "$OUT" --timeout 150 \

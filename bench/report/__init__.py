@@ -6,7 +6,7 @@ typed by hand.
 
 Every ``bench/results/*.json`` gets a section: what it measures, the command that wrote it, the machine (CPU
 model, cores, GPU), the load average, the versions and the date, then its headline figures. ``make test``
-checks the document against the files (``tests/test_benchmarks_doc.py``).
+checks the document against the files (``tests/bench/test_benchmarks_doc.py``).
 
 By role: ``document`` lays out docs/BENCHMARKS.md, ``readme`` the README's figure blocks; one
 section module per kind of result formats its files' figures (``learning``, ``pipeline``, ``peers``, ``scaling``,

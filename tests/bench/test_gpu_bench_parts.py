@@ -1,0 +1,71 @@
+"""CPU checks of the pieces the GPU benchmarks stand on: the countdown task (lengths, reward), the start-up
+probe's reading of vLLM's log lines, and the stand-in for TRL's attention kernel. (The benchmarks themselves run
+end to end on CPU with ``python -m bench.gpu.workload --cpu-smoke``.)"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu import countdown, startup_probe
+
+
+def test_countdown_lengths_are_long_tailed_and_prompts_in_range():
+    problems = countdown.problems(0, 4000)
+    lengths = [p.length for p in problems]
+    assert 230 < statistics.mean(lengths) < 280, "mean answer length about 256"
+    assert statistics.median(lengths) < statistics.mean(lengths), "right-skewed"
+    assert max(lengths) == countdown.MAX_L and min(lengths) >= countdown.MIN_L
+    words = [len(p.prompt.split()) for p in problems[:200]]
+    assert min(words) >= 100 and max(words) <= 300
+    assert countdown.length_of(problems[0].prompt) == problems[0].length
+
+
+def test_countdown_reward_is_read_from_the_text():
+    p = countdown.Problem("begin count down from " + countdown.number(5), 5)
+    assert [countdown.value(countdown.number(k)) for k in (0, 27, 999)] == [0, 27, 999]
+    assert countdown.reward(p.answer, 5) == 1.0
+    assert countdown.reward(p.answer + " waaa", 5) == 5 / 6, "words after the 0: the end was missed"
+    assert countdown.reward(" wwww" + p.answer, 5) == 0.0
+    assert countdown.reward(" ".join(p.answer.split()[:3]), 5) == 3 / 6
+
+
+def test_startup_probe_reads_phases_off_vllm_log_lines():
+    lines = [(0.0, "PROBE import_s 9.50"), (10.0, "PROBE start_called"),
+             (31.0, "(Worker pid=1) INFO 12-01 [gpu_model_runner.py:5348] Model loading took 0.93 GiB memory and "
+                    "4.500000 seconds"),
+             (40.0, "INFO [backends.py:1156] Dynamo bytecode transform time: 6.10 s"),
+             (52.0, "INFO [backends.py:394] Compiling a graph for compile range (1, 8192) takes 11.20 s"),
+             (60.0, "INFO [gpu_model_runner.py:6845] Graph capturing finished in 7 secs, took 0.50 GiB"),
+             (61.0, "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 29.00 s "
+                    "(compilation: 17.30 s)"),
+             (63.5, "PROBE started start_s 53.50"), (70.0, "PROBE decode_tokens_per_s 12345.6")]
+    out = startup_probe.phases(lines)
+    assert out["load_s"] == 4.5 and out["dynamo_s"] == 6.1 and out["inductor_s"] == 11.2
+    assert out["graph_capture_s"] == 7 and out["init_engine_s"] == 29.0 and out["start_s"] == 53.5
+    assert out["spawn_s"] == pytest.approx(31.0 - 4.5 - 10.0) and out["after_init_s"] == pytest.approx(2.5)
+    assert out["profile_kv_warmup_s"] == pytest.approx(29.0 - 6.1 - 11.2 - 7)
+    assert out["decode_tokens_per_s"] == 12345.6 and out["import_s"] == 9.5
+
+
+def test_trl_kernel_stand_in_matches_dense_causal_attention():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu" / "trl_kernels"))
+    try:
+        import kernels
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7]), torch.tensor([0, 5, 10])
+    out = kernels._per_sequence(q, k, v, cu_q, cu_k, 0.25, True)
+    for (q0, q1), (k0, k1) in zip([(0, 3), (3, 7)], [(0, 5), (5, 10)]):
+        qs = q[q0:q1].transpose(0, 1)
+        ks, vs = (x[k0:k1].repeat_interleave(2, 1).transpose(0, 1) for x in (k, v))
+        scores = (qs @ ks.transpose(1, 2)) * 0.25
+        allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(diagonal=(k1 - k0) - (q1 - q0))
+        ref = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+        assert torch.allclose(out[q0:q1], ref, atol=1e-5), "bottom-right causal, grouped KV heads"
