@@ -129,7 +129,7 @@ class Pipeline:
                 raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps; group "
                                       f"drops: {self.totals().describe_drops()}")
             sleeper = await self._sleep_engine()
-            result = await self.learner.train_and_publish(batch)
+            result = await self.learner.train_and_publish(batch, trim=sleeper is not None)
             await self.learner.flush()  # synchronous mode: the next batch is generated with these weights
             if sleeper is not None:  # a step that published nothing: wake with the weights it slept with
                 await sleeper.wake()

@@ -151,8 +151,9 @@ class Learner:
                 f"{stats.open_senders} producers open, group drops: {self.totals().describe_drops()}"
             ) from None
 
-    async def train_and_publish(self, batch: Sequence[RolloutGroup]) -> StepReport:
-        """One optimiser step on ``batch``, then a publication if this step is a sync step."""
+    async def train_and_publish(self, batch: Sequence[RolloutGroup], *, trim: bool = False) -> StepReport:
+        """One optimiser step on ``batch``, then a publication if this step is a sync step. ``trim``: hand the
+        device memory the step left cached back first (the target sleeps, and the publication wakes it)."""
         staleness = [g.staleness(self.policy_version) for g in batch]
         t0 = time.perf_counter()
         try:
@@ -171,6 +172,8 @@ class Learner:
         self.counters.tokens_trained += sum(g.num_tokens for g in batch)
         metrics["tokens/trained"] = self.counters.tokens_trained
         metrics["length/trained_mean_all"] = self.counters.tokens_trained / self.counters.samples_trained
+        if trim:
+            await self._in_thread(self.backend.trim)
         timing = None
         if self.step % self.config.sync.every == 0:
             timing = await (self._publish_in_background() if self.config.sync.overlap else self.publish())

@@ -26,7 +26,8 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.types import RolloutGroup
 
 __all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
-           "compile_elementwise", "compile_layers", "forward_tokens", "is_inert", "precision", "prepare_model"]
+           "compile_elementwise", "compile_layers", "forward_tokens", "is_inert", "precision", "prepare_model",
+           "trim_device_cache"]
 
 
 @runtime_checkable
@@ -53,6 +54,11 @@ class TrainingBackend(Protocol):
 
     def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """The publication of ``tensors`` (from either method above) is over: free what they hold."""
+        ...
+
+    def trim(self) -> None:
+        """Hand the memory the device allocator keeps cached back to the device: the synchronous pipeline calls it
+        after a step, before a sleeping engine wakes into that memory."""
         ...
 
 
@@ -241,6 +247,14 @@ def compile_layers(model: torch.nn.Module) -> None:
         module.compile(dynamic=True)
 
 
+def trim_device_cache(model: torch.nn.Module) -> None:
+    """Empty the CUDA caching allocator of ``model``'s device (activations of the last step stay cached there
+    otherwise, and a waking engine runs out of memory); nothing to do on a CPU."""
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class LocalBackend:
     """The model on one device in this process: the single-device step."""
 
@@ -278,3 +292,6 @@ class LocalBackend:
 
     def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
         pass  # plain tensors: the garbage collector frees them
+
+    def trim(self) -> None:
+        trim_device_cache(self.model)

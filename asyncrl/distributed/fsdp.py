@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.actors.training import accumulate, clip_and_step, finish_metrics, is_inert, prepare_model, zero_grads
+from asyncrl.actors.training import (accumulate, clip_and_step, finish_metrics, is_inert, prepare_model,
+                                     trim_device_cache, zero_grads)
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.distributed.partition import RankShard, plan_batch
@@ -129,6 +130,10 @@ class FSDPBackend:
         """Let go of a staging this backend handed out (every publication is one; released once)."""
         self._handed_out.pop(id(tensors)).release()
 
+    def trim(self) -> None:
+        """Every rank's cached device memory back to its device (an engine may share any rank's device)."""
+        self.call(_trim)
+
     def call(self, fn: Callable[[FSDPBackend], object]) -> object:
         """Run ``fn(backend)`` on every rank (a module-level function); returns rank 0's result."""
         with self._command():
@@ -208,3 +213,7 @@ class FSDPBackend:
 def _drain(buckets: Iterator[object]) -> None:
     for _ in buckets:  # followers gather only to take part; rank 0 keeps the tensors
         pass
+
+
+def _trim(backend: FSDPBackend) -> None:
+    trim_device_cache(backend.model)

@@ -157,6 +157,9 @@ class SimBackend:
     def release(self, tensors: Mapping[str, Any]) -> None:
         pass
 
+    def trim(self) -> None:
+        pass
+
 
 def start_servers(count: int, token_delay_s: float) -> list[ActorEngine]:
     import ray

@@ -55,6 +55,26 @@ async def test_the_synchronous_pipeline_sleeps_an_engine_behind_any_wrapper(wrap
     assert engine.woken == 3, "woken after every step (a no-op for an engine a publication woke)"
 
 
+@pytest.mark.parametrize("sleeps", [True, False])
+async def test_the_learner_trims_its_device_cache_before_a_sleeping_engine_wakes(sleeps: bool) -> None:
+    """On a GPU the step's activations stay in the allocator's cache; an engine waking into that memory ran out
+    of it (1.5B on an H200). The synchronous pipeline trims after the step, before the publication wakes it."""
+    engine = SleepyFake() if sleeps else FakeEngine()
+    events: list[str] = []
+    load = engine.load
+
+    async def recorded_load(update):  # type: ignore[no-untyped-def]
+        events.append("load")
+        await load(update)
+
+    engine.load = recorded_load  # type: ignore[method-assign]
+    pipe = make_pipeline(engine, prompts(100), config())
+    pipe.learner.backend.trim = lambda: events.append("trim")  # type: ignore[method-assign]
+    result = await asyncio.wait_for(pipe.run_synchronous(steps=3), WAIT_S)
+    assert result.steps == 3
+    assert events == (["trim", "load"] if sleeps else ["load"]) * 3
+
+
 def test_an_engine_that_does_not_sleep_says_so_by_default() -> None:
     plain = FakeEngine()
     assert plain.sleep_level == 0 and EnginePool([plain]).sleep_level == 0
