@@ -1,6 +1,6 @@
 """Does off-policy GRPO still learn? Synchronous vs asynchronous training at the same sample budget.
 
-    python -m bench.cpu.learning            # full: 10 settings x 3 seeds (~35 min on a quiet 2-core CPU)
+    python -m bench.cpu.learning            # full: 10 settings x 3 seeds (~40 min on a quiet 2-core CPU)
     python -m bench.cpu.learning --quick    # small version, one seed
 
 Every setting starts from the same warm-started checkpoint (a tiny character-level Qwen2 model taught
@@ -9,12 +9,15 @@ trains on the same prompt order for the same number of samples (steps x groups x
 
 - ``sync``: ``Pipeline.run_synchronous`` (generate a batch, train, publish; max staleness 0);
 - ``async_s{1,2,4,8}``: ``Pipeline.run`` with staleness-aware admission (``QueueConfig.admission``) at max
-  staleness 1, 2, 4, 8 and token-level truncated importance weights (``correction="truncate"``);
-- ``async_s{4,8}_mis`` and ``async_s{4,8}_m2po``: the same at staleness 4 and 8 with the other corrections of
-  ``LossConfig.correction``, token-level masked importance sampling and M2PO's second-moment mask;
+  staleness 1, 2, 4, 8, token-level truncated importance weights (``correction="truncate"``) and one batch of
+  queue capacity, so producers run at most that far ahead of the learner and the bound is a ceiling;
+- ``async_s{4,8}_full`` and ``async_s{4,8}_full_m2po``: the queue sized to the bound (``batch_groups x max(1, s -
+  1)``), so that every group is trained at the bound here (generation outpaces the learner), with truncation and
+  with M2PO's second-moment mask: what the corrections do with data that stale;
 - ``async_s4_no_admission``: the old rule (no admission: finish order, stale groups dropped; truncation);
-- opt-in rows, run only when named in ``--only``: ``async_s2_no_admission``, ``async_s4_mis_seq`` (sequence-level
-  masking) and ``async_s{1,2,4}_no_is`` (no importance weight at all), e.g. ``--only sync async_s4_mis_seq``.
+- opt-in rows, run only when named in ``--only``: masked importance sampling (``async_s{4,8}_full_mis``, and
+  ``async_s4_full_mis_seq`` at sequence level), ``async_s2_no_admission`` and ``async_s{1,2,4}_no_is`` (no
+  importance weight at all), e.g. ``--only sync async_s4_full_mis``.
 
 Besides the final held-out accuracy, each run records ``last3_accuracy`` (the mean of the last three
 evaluations, a less noisy estimate of where the run ended), the groups dropped by reason, the tokens generated,
@@ -65,25 +68,32 @@ class Setting:
     is_level: str  # "token", "sequence" or "none"
     correction: str = "truncate"  # LossConfig.correction: "truncate", "mask" or "m2po"
     admission: bool = True  # QueueConfig.admission
+    capacity: str = "batch"  # queue capacity: "batch" (batch_groups) or "bound" (batch_groups x max(1, s - 1))
     opt_in: bool = False  # runs only when named in --only
 
 
 # Sync and the async runs go first, back to back, so load drift on a shared machine biases their wall-time
 # comparison as little as possible. Every async row runs with staleness-aware admission unless it says otherwise.
+# "batch" rows hold one batch in the queue: the gate lets producers run at most that far ahead of the learner, so
+# the bound is a ceiling that long groups may reach. "_full" rows size the queue to the bound (batch_groups x
+# max(1, s - 1), the old rule), so that, generation outpacing the learner here, every group is trained at the
+# bound: they show what each correction does with data that stale.
 SETTINGS = (
     Setting("sync", True, 0, "token"),
     Setting("async_s1", False, 1, "token"),
     Setting("async_s2", False, 2, "token"),
     Setting("async_s4", False, 4, "token"),
     Setting("async_s8", False, 8, "token"),
-    Setting("async_s4_mis", False, 4, "token", "mask"),
-    Setting("async_s8_mis", False, 8, "token", "mask"),
-    Setting("async_s4_m2po", False, 4, "token", "m2po"),
-    Setting("async_s8_m2po", False, 8, "token", "m2po"),
+    Setting("async_s4_full", False, 4, "token", capacity="bound"),
+    Setting("async_s4_full_m2po", False, 4, "token", "m2po", capacity="bound"),
+    Setting("async_s8_full", False, 8, "token", capacity="bound"),
+    Setting("async_s8_full_m2po", False, 8, "token", "m2po", capacity="bound"),
     # The old rule: no admission (start whenever there is room, train in finish order, drop what is too stale).
-    Setting("async_s4_no_admission", False, 4, "token", admission=False),
-    Setting("async_s2_no_admission", False, 2, "token", admission=False, opt_in=True),
-    Setting("async_s4_mis_seq", False, 4, "sequence", "mask", opt_in=True),
+    Setting("async_s4_no_admission", False, 4, "token", admission=False, capacity="bound"),
+    Setting("async_s4_full_mis", False, 4, "token", "mask", capacity="bound", opt_in=True),
+    Setting("async_s8_full_mis", False, 8, "token", "mask", capacity="bound", opt_in=True),
+    Setting("async_s4_full_mis_seq", False, 4, "sequence", "mask", capacity="bound", opt_in=True),
+    Setting("async_s2_no_admission", False, 2, "token", admission=False, capacity="bound", opt_in=True),
     Setting("async_s1_no_is", False, 1, "none", opt_in=True),
     Setting("async_s2_no_is", False, 2, "none", opt_in=True),
     Setting("async_s4_no_is", False, 4, "none", opt_in=True),
@@ -142,7 +152,8 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
     return asyncrl.PipelineConfig(
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b),
-        queue=asyncrl.QueueConfig(capacity=ex.queue_capacity(b, s.max_staleness), max_staleness=s.max_staleness,
+        queue=asyncrl.QueueConfig(capacity=b if s.capacity == "batch" else ex.queue_capacity(b, s.max_staleness),
+                                  max_staleness=s.max_staleness,
                                   admission=s.admission),
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=b * args.n,
                                       sync=asyncrl.SyncConfig(mode="keep")),
