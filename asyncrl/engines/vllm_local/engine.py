@@ -12,6 +12,7 @@ device copy. With ``VLLMEngineConfig.sleep`` it can also free its GPU memory whi
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import multiprocessing.connection
 import threading
@@ -98,6 +99,7 @@ class VLLMEngine(SleepMixin, Engine):
         try:
             engine._watch()
             await engine._call(llm.collective_rpc("asyncrl_record_ties"))
+            await engine._call(llm.collective_rpc("asyncrl_die_with", args=(os.getpid(),)))
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:

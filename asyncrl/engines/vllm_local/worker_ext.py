@@ -20,7 +20,10 @@ It also makes the worker exit fast: at exit the interpreter's final garbage coll
 heap (measured: 2 s per process on CPU, most of the 4 s an engine took to shut down), so the extension
 freezes the heap first (``exit_fast``).
 
-Loaded by name in the worker, so keep this module light: nothing from asyncrl but ``exit_fast``.
+And it makes the engine's processes die with the program that started it (``starter_watch``).
+
+Loaded by name in the worker, so keep this module light: nothing from asyncrl but ``exit_fast`` (and
+``starter_watch``, standard library only, when asked).
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ class AsyncRLWorkerExtension:
         if names:
             logging.getLogger(LAYERWISE_LOGGER).addFilter(_TiedLayerNotice(names))
         return len(self._asyncrl_aliases)
+
+    def asyncrl_die_with(self, starter: int) -> bool:
+        """Called once after start-up: end this engine's processes when ``starter`` exits (``starter_watch``)."""
+        from asyncrl.engines.vllm_local.starter_watch import die_with
+
+        return die_with(starter)
 
     def asyncrl_stop_busy_wait(self) -> bool:
         """Switch this worker's scheduler-input queue reader to napping (see ``executor``)."""
