@@ -30,7 +30,8 @@ def learning(r: dict[str, Any]) -> list[str]:
         if isinstance(x, dict) and "final_accuracy_mean" in x:
             v = verdict.get(name, {})
             rows.append([name, f"{pct(x['final_accuracy_mean'])} ± {pct(x['final_accuracy_std'])}",
-                         num(v.get("accuracy_vs_sync", 1.0)), num(v.get("worst_seed_vs_sync", 1.0)),
+                         num(v.get("accuracy_vs_sync", 1.0)),
+                         num(v["worst_seed_vs_sync"]) if "worst_seed_vs_sync" in v else "-",
                          pct(x["last3_accuracy_mean"]) if "last3_accuracy_mean" in x else "-",
                          f"{num(x['wall_s_mean'], 0)} ± {num(x['wall_s_std'], 0)}",
                          f"{num(v.get('speedup_vs_sync', 1.0))}x", num(x["mean_staleness_mean"]),
