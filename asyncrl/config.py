@@ -123,9 +123,12 @@ class ProducerConfig:
 class QueueConfig:
     """The bounded rollout queue between producers and learner."""
 
-    capacity: Annotated[PositiveInt, Field(description="groups held at most; producers wait when it is full")] = 16
-    # 2, measured before admission (bench/cpu/learning.py): at 1 stale drops cost more wall time than the overlap
-    # saved, at 4 accuracy suffered. With admission nothing is dropped as stale; the default awaits that bench.
+    capacity: Annotated[PositiveInt, Field(description=(
+        "groups held at most; producers wait when it is full. With admission it is also how far producers run "
+        "ahead of the learner: about one batch keeps both busy, more only makes every group staler"))] = 16
+    # 2 (bench.cpu.learning, README "Staleness"): with admission and a queue of about one batch, the realized
+    # staleness stays near 2 whatever the bound, and learning keeps up with synchronous training; a higher bound
+    # lets long groups be trained instead of dropped. Groups trained at a bound of 4 or 8 need M2PO there.
     max_staleness: Annotated[NonNegativeInt, Field(description=(
         "groups more than this many versions old are dropped, not trained on"))] = 2
     admission: Annotated[Flag, Field(description=(

@@ -86,7 +86,8 @@ class LossConfig:
         "what happens to a token whose behaviour ratio is far from 1 (``corrections``): 'truncate' (cap at "
         "is_cap), 'mask' (drop terms whose ratio, per is_level, leaves [1/is_cap, is_cap]) or 'm2po' (drop the "
         "largest squared log-ratios until their mean is <= m2_threshold; is_level, is_cap and the clip are then "
-        "unused)"))] = Correction.TRUNCATE
+        "unused). Truncation suits groups a version or two old; for groups trained at a staleness of 4 or 8, "
+        "'m2po' kept learning where truncation did not (bench.cpu.learning)"))] = Correction.TRUNCATE
     m2_threshold: Annotated[NonNegativeFloat, Field(description=(
         "M2PO's bound on the mean squared log-ratio of the tokens kept (the paper's default)"))] = 0.04
     m2_trust_region: Annotated[Flag, Field(description=(

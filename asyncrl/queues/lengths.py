@@ -36,13 +36,18 @@ class TokenBooks:
         return out
 
 
+HISTOGRAM_BUCKETS = 9  # groups 0..7 versions old each have a gauge, older ones share "8plus"
+
+
 def trained_gauges(batch: Iterable[RolloutGroup], staleness: Iterable[int], max_staleness: int) -> dict[str, float]:
-    """A batch's ``length/trained_mean`` and its groups by staleness (``staleness/groups_s0``... up to the bound,
-    and beyond it if any)."""
+    """A batch's ``length/trained_mean`` and its groups by staleness: ``staleness/groups_s0``... up to the bound,
+    and beyond it if any, with everything 8 or more versions old in ``staleness/groups_s8plus`` (a fixed number
+    of gauges per step whatever the bound: the engine-limit bench sets it to a million)."""
     groups = list(batch)
     rollouts = sum(len(g.rollouts) for g in groups)
     out: dict[str, float] = {"length/trained_mean": sum(g.num_tokens for g in groups) / rollouts if rollouts else 0.0}
-    by_staleness = Counter(staleness)
-    for s in range(max(max_staleness, *by_staleness, 0) + 1):
-        out[f"staleness/groups_s{s}"] = by_staleness.get(s, 0)
+    last = HISTOGRAM_BUCKETS - 1
+    by_staleness = Counter(min(s, last) for s in staleness)
+    for s in range(min(max(max_staleness, *by_staleness, 0), last) + 1):
+        out[f"staleness/groups_s{s}" if s < last else f"staleness/groups_s{last}plus"] = by_staleness.get(s, 0)
     return out

@@ -145,6 +145,21 @@ async def test_batches_are_the_earliest_started_groups_whatever_their_length():
     assert last["length/generated_mean"] > 0 and last["length/trained_mean_all"] > 0
 
 
+def test_the_staleness_histogram_has_a_fixed_width_whatever_the_bound():
+    """A million-version bound once made a million gauges per step (seconds of CPU each, in the engine-limit
+    bench): groups 8 or more versions old share one bucket."""
+    from asyncrl.queues.lengths import trained_gauges
+    from asyncrl.types import Prompt, RolloutGroup
+
+    group = RolloutGroup("g", Prompt("p", (1, 2)), ())
+    gauges = trained_gauges([group] * 3, [0, 9, 10**5], 10**6)
+    histogram = {k: v for k, v in gauges.items() if k.startswith("staleness/")}
+    assert len(histogram) == 9 and histogram["staleness/groups_s0"] == 1
+    assert histogram["staleness/groups_s8plus"] == 2 and sum(histogram.values()) == 3
+    assert list(trained_gauges([group], [1], 2)) == ["length/trained_mean"] + [f"staleness/groups_s{s}" for s in
+                                                                                range(3)]
+
+
 async def test_books_balance_when_a_gated_run_is_cancelled():
     pipe, _ = recording_pipeline(heavy_tailed, pipeline_config(2), seed=3)
     fifth = asyncio.Event()
