@@ -12,9 +12,9 @@ device copy. With ``VLLMEngineConfig.sleep`` it can also free its GPU memory whi
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
 import multiprocessing.connection
+import os
 import threading
 import time
 from dataclasses import replace
