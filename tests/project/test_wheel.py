@@ -27,6 +27,8 @@ PROGRAM = textwrap.dedent('''
     import asyncrl
     assert Path(asyncrl.__file__).is_relative_to(sys.prefix), (asyncrl.__file__, sys.prefix)
     import asyncrl.engines.vllm_remote
+    import asyncrl.launch.ray  # noqa: F401  (the Ray launcher's module imports without a checkout)
+    from asyncrl.engines.vllm_remote import start_vllm_server  # noqa: F401  (the server helpers are exported)
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
     from asyncrl.metrics import JsonlSink, TensorBoardSink, WandbSink  # noqa: F401  (the sinks import)
     from asyncrl.testing import build_tiny
