@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A shell without job control starts background jobs with SIGINT ignored, and every child inherits that: the
+# Ctrl-C tests would see a script that never hears it. Take SIGINT back for this process, so children get the
+# default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="module")
