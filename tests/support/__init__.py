@@ -101,3 +101,18 @@ class CpuBurners:
             p.kill()
         for p in self.procs:
             p.wait()
+
+
+def living(procs):  # type: ignore[no-untyped-def]
+    """Those of ``procs`` (psutil processes) still running; a zombie has exited (its parent, maybe init, has yet to
+    reap it)."""
+    import psutil
+
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

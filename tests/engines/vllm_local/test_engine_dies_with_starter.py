@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from asyncrl.engines.rpc_dir import ENV, make_rpc_dir
+from tests.support import living
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -35,17 +36,6 @@ async def main():
 if __name__ == "__main__":
     asyncio.run(main())
 """
-
-
-def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def test_an_engine_dies_with_its_starter_killed_by_sigkill(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -68,13 +58,13 @@ def test_an_engine_dies_with_its_starter_killed_by_sigkill(tiny_model_dir: Path,
         starter.send_signal(signal.SIGKILL)
         starter.wait()
         deadline = time.monotonic() + 30  # the workers' grace for EngineCore's own shutdown, and some
-        while _living(tree):  # processes that are not ours give no exit event: re-read every 100 ms
-            assert time.monotonic() < deadline, f"outlived their starter: {[p.name() for p in _living(tree)]}"
+        while living(tree):  # processes that are not ours give no exit event: re-read every 100 ms
+            assert time.monotonic() < deadline, f"outlived their starter: {[p.name() for p in living(tree)]}"
             time.sleep(0.1)
         make_rpc_dir(str(base))  # collects the dead starter's socket directory (rpc_dir's own tests say how)
         assert [p.name for p in base.iterdir()] == [p.name for p in base.iterdir() if str(os.getpid()) in p.name]
     finally:
         starter.kill()
-        for proc in _living(tree):  # leave no orphan to the next test, whatever happened
+        for proc in living(tree):  # leave no orphan to the next test, whatever happened
             proc.kill()
         shutil.rmtree(base, ignore_errors=True)

@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl.engines.rpc_dir import ENV, PREFIX
 from asyncrl.engines.vllm_remote.process import group_members
-from tests.support import SERVER_TEST_ARGS
+from tests.support import SERVER_TEST_ARGS, living
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -43,18 +43,6 @@ def dirs() -> Iterator[tuple[Path, Path]]:
     yield base, temp
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(temp, ignore_errors=True)
-
-
-def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those still running; a zombie has exited (its parent, maybe init, has yet to reap it)."""
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def _until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -90,13 +78,13 @@ def test_a_server_dies_with_its_starter_killed_by_sigkill(tiny_model_dir: Path, 
         assert list(base.iterdir()) and list(temp.glob("vllm-server-*.log"))
         starter.send_signal(signal.SIGKILL)
         starter.wait()
-        _until(lambda: not _living(tree) and not group_members(pgid), 60,
-               f"outlived their starter: {[p.cmdline()[:3] for p in _living(tree)]}")
+        _until(lambda: not living(tree) and not group_members(pgid), 60,
+               f"outlived their starter: {[p.cmdline()[:3] for p in living(tree)]}")
         logs = lambda: list(temp.glob("vllm-server-*.log"))  # noqa: E731
         _until(lambda: not list(base.iterdir()) and not logs(), 10, f"left behind: {list(base.iterdir())} {logs()}")
     finally:
         starter.kill()
-        for proc in _living(tree):  # the old code's orphans: leave none to the next test
+        for proc in living(tree):  # the old code's orphans: leave none to the next test
             proc.kill()
         if pgid is not None and group_members(pgid):
             os.killpg(pgid, signal.SIGKILL)
