@@ -88,12 +88,17 @@ def _earlier_workload(earlier: tuple[dict[str, Any], Path] | None, shape: str) -
             f"(`{earlier[1].relative_to(common.ROOT)}`)")
 
 
+def workload_shapes(r: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The (shape, its sides) entries of a GPU workload result."""
+    return [(k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v]
+
+
 def gpu_headlines(results_dir: Path) -> list[str]:
     lines = []
     if (x := _load(results_dir, "gpu_workload_h200")) is not None:
         r, source = x
         earlier = repeat_of(results_dir / "gpu_workload_h200.json")
-        for shape, side in ((k, v) for k, v in r.items() if isinstance(v, dict) and "ours" in v):
+        for shape, side in workload_shapes(r):
             ours, vs = side["ours"].get("async"), over_fastest_trl(r, shape)
             if ours and vs:
                 lines.append(f"- GPU, {shape}, long-tailed completions: ours async trains "
@@ -139,7 +144,7 @@ def staleness_block(results_dir: Path) -> str:
             f"{row('async_s4_no_admission')}. Stale drops with admission: at most {pct(stale)} of groups.")
     if (g := _load(results_dir, "gpu_workload_h200_s24")) is not None:
         w, gsource = g
-        for shape, side in ((k, x) for k, x in w.items() if isinstance(x, dict) and "ours" in x):
+        for shape, side in workload_shapes(w):
             ours, sync = side["ours"].get("async"), side["ours"].get("sync")
             if ours and sync and ours.get("tokens_generated"):
                 text += (f" On one H200 ({shape}, long-tailed lengths, the defaults), async trains "
