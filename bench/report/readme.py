@@ -142,18 +142,32 @@ def staleness_block(results_dir: Path) -> str:
             f"{'; '.join(row(k) for k in admitted)}. Trained at the bound (the queue sized to it, so every group is "
             f"that stale): {'; '.join(row(k) for k in full)}. Old rule (no admission) at 4: "
             f"{row('async_s4_no_admission')}. Stale drops with admission: at most {pct(stale)} of groups.")
-    if (g := _load(results_dir, "gpu_workload_h200_s24")) is not None:
-        w, gsource = g
-        for shape, side in workload_shapes(w):
-            ours, sync = side["ours"].get("async"), side["ours"].get("sync")
-            if ours and sync and ours.get("tokens_generated"):
-                text += (f" On one H200 ({shape}, long-tailed lengths, the defaults), async trains "
-                         f"{pct(ours['completion_tokens'] / ours['tokens_generated'])} of the completion tokens it "
-                         f"generates (the rest unused at shutdown), trained mean length "
-                         f"{num(ours['completion_len_mean'], 1)} against {num(sync['completion_len_mean'], 1)} for "
-                         f"sync, at {num(w['summary'][shape + '/async_over_sync_tokens'])}x sync's completion "
-                         f"tokens/s ({gsource}).")
+    # 0.5B: one 24-step run of all sides. 1.5B: a 24-step run of ours' two sides; TRL from a 12-step run of all three.
+    for name, trl_name in (("gpu_workload_h200_s24", None),
+                           ("gpu_workload_h200_q15_s24", "gpu_workload_h200_q15_admission")):
+        if (g := _load(results_dir, name)) is not None:
+            text += " " + _gpu_books(*g, _load(results_dir, trl_name) if trl_name else g)
     return text
+
+
+def _gpu_books(w: dict[str, Any], source: str, trl: tuple[dict[str, Any], str] | None) -> str:
+    """One sentence per shape: the share of generated tokens async trains, its length against sync's, and the
+    tokens/s ratios over sync and over TRL's fastest mode."""
+    parts = []
+    for shape, side in workload_shapes(w):
+        ours, sync = side["ours"].get("async"), side["ours"].get("sync")
+        if not (ours and sync and ours.get("tokens_generated")):
+            continue
+        vs = over_fastest_trl(trl[0], shape) if trl else None
+        over_trl = (f", and {num(vs[2])}x TRL's fastest single-GPU mode ({TRL_LABELS[vs[0]]}"
+                    + (f", {trl[1]}" if trl[1] != source else "") + ")") if vs else ""
+        parts.append(f"On one H200 ({shape}, {ours['steps']} steps, long-tailed lengths, the defaults), "
+                     f"async trains {pct(ours['completion_tokens'] / ours['tokens_generated'])} of the completion "
+                     f"tokens it generates (the rest unused at shutdown), trained mean length "
+                     f"{num(ours['completion_len_mean'], 1)} against {num(sync['completion_len_mean'], 1)} for sync, "
+                     f"at {num(w['summary'][shape + '/async_over_sync_tokens'])}x sync's completion tokens/s"
+                     f"{over_trl} ({source}).")
+    return " ".join(parts)
 
 
 def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:
