@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m examples.grpo_offpolicy $(ARGS)
+	$(PY) -m asyncrl.examples.grpo_offpolicy $(ARGS)
 
 test: setup
-	$(PY) -m ruff check asyncrl examples bench tests
+	$(PY) -m ruff check asyncrl bench tests
 	$(PY) -m pytest $(ARGS)
 
 bench: setup

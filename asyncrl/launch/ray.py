@@ -1,9 +1,9 @@
 """Ray as the launcher (``pip install 'asyncrl[ray]'``): a placement group places the vLLM servers and the learner
 ranks, their addresses are wired together, and every rank runs the same program as under torchrun.
 
-    python -m asyncrl.launch.ray --address auto --entry examples.distributed_grpo --model-dir DIR --servers 2 \\
+    python -m asyncrl.launch.ray --address auto --entry asyncrl.examples.distributed_grpo --model-dir DIR --servers 2 \\
         --ranks 2 --server-gpus 1 --rank-gpus 1 -- --steps 50 --transfer nccl   # an existing cluster (`ray start`)
-    python -m asyncrl.launch.ray --local-cpus 2 --entry examples.distributed_grpo --model-dir DIR --servers 1 \\
+    python -m asyncrl.launch.ray --local-cpus 2 --entry asyncrl.examples.distributed_grpo --model-dir DIR --servers 1 \\
         --ranks 2 -- --steps 3
 
 One actor per server starts ``vllm.entrypoints.openai.api_server`` on its node (``start_vllm_server``) and
@@ -89,7 +89,7 @@ def launch(layout: Layout, model_dir: str | Path, argv: Sequence[str] = (), *, e
            server_args: Sequence[str] = (), server_env: dict[str, str] | None = None,
            timeout_s: float = 3600.0) -> Any:
     """Place and run (``ray.init`` first): every rank runs ``main(argv)`` of the module named ``entry`` (e.g.
-    ``"examples.distributed_grpo"``). Returns rank 0's result; raises ``LaunchError`` on a failure."""
+    ``"asyncrl.examples.distributed_grpo"``). Returns rank 0's result; raises ``LaunchError`` on a failure."""
     check_entry(entry)
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -172,7 +172,7 @@ def _stop_servers(servers: list[Any]) -> None:
 def check_entry(entry: str) -> None:
     """``entry`` must name a module (dotted identifiers); whether it imports is found out where the ranks run."""
     if not isinstance(entry, str) or not all(part.isidentifier() for part in entry.split(".")):
-        raise ConfigError("entry", f"{entry!r} is not a module name (such as 'examples.distributed_grpo')")
+        raise ConfigError("entry", f"{entry!r} is not a module name (such as 'asyncrl.examples.distributed_grpo')")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--strategy", default="PACK")
     p.add_argument("--server-args", default="", help="extra vLLM server flags, one string")
     p.add_argument("--entry", required=True, help="module whose main(argv) every rank runs, e.g. "
-                   "examples.distributed_grpo (importable where the ranks run)")
+                   "asyncrl.examples.distributed_grpo (importable where the ranks run)")
     p.add_argument("--timeout-s", type=float, default=3600.0)
     return p.parse_args(own), rest
 

@@ -3,7 +3,7 @@
     python -m bench.cpu.demo_seeds                 # 5 seeds + 4 perturbations of seed 0 (about 30 min on 2 cores)
     python -m bench.cpu.demo_seeds --only seed1 threads2
 
-Each run is ``python -m examples.grpo_offpolicy`` with the demo's defaults except the one thing the run is named
+Each run is ``python -m asyncrl.examples.grpo_offpolicy`` with the demo's defaults except the one thing the run is named
 for: the seed (model init, warm start, data order, sampling), 2 torch threads instead of 1 (another reduction
 order), the warm start under bf16 autocast, or the warm start stopped at 25% or 35% held-out accuracy instead
 of the default target. Held-out greedy accuracy (200 problems, vLLM) is read before and after RL from each
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 def run_one(name: str, flags: list[str], args: Any) -> dict[str, Any]:
     out = args.runs_dir / name
-    cmd = [sys.executable, "-m", "examples.grpo_offpolicy", "--out", str(out), "--no-progress", *flags,
+    cmd = [sys.executable, "-m", "asyncrl.examples.grpo_offpolicy", "--out", str(out), "--no-progress", *flags,
            *args.extra]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ every ``--eval-every`` steps on the engine (the learner waits; the time is exclu
 times). Writes ``learning_<device>.json`` (``learning_cpu.json``;
 ``_quick`` added with ``--quick``) with the common header (``bench/common.py``) and the same name with
 ``.png`` (accuracy vs training wall time per setting) into ``--out`` (default ``bench/results/``), and
-prints a table. Tasks, the warm start and the evaluation hooks come from ``examples/`` (``common``, ``sft``,
+prints a table. Tasks, the warm start and the evaluation hooks come from ``asyncrl/examples/`` (``common``, ``sft``,
 ``tracking``).
 """
 
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from examples import common as ex
-from examples import sft, tracking
+from asyncrl.examples import common as ex
+from asyncrl.examples import sft, tracking
 
 log = logging.getLogger("bench.cpu.learning")
 

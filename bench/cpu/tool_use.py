@@ -3,7 +3,7 @@
     python -m bench.cpu.tool_use                                  # 3 seeds (~10 min on a quiet 2-core CPU)
     python -m bench.cpu.tool_use --seeds 0 --steps 10 --warm-steps 200 --held-out 50 --out /tmp/bench   # smoke
 
-Each seed runs ``examples/tool_use.py`` end to end: a character-level model with calculator tokens is built and
+Each seed runs ``asyncrl/examples/tool_use.py`` end to end: a character-level model with calculator tokens is built and
 warm-started on a mix of tool-using and direct demonstrations (``--warm-tool-frac`` use the tool), then trained
 with GRPO on whole episodes (the model writes ``<calc>a*b</calc>``, the environment appends the product as
 environment tokens, the model answers). Held-out greedy accuracy and the share of held-out episodes that call
@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from bench import common
-from examples import calculator, tool_use, tracking
+from asyncrl.examples import calculator, tool_use, tracking
 
 log = logging.getLogger("bench.cpu.tool_use")
 

@@ -139,7 +139,7 @@ def batch(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
 
 
 def example_args(args: argparse.Namespace) -> argparse.Namespace:
-    from examples import distributed_grpo as example
+    from asyncrl.examples import distributed_grpo as example
 
     return example.parse_args([
         "--model-dir", str(args.model_dir), "--dtype", "float32" if args.cpu_smoke else "bfloat16",
@@ -179,7 +179,7 @@ def server_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
     from asyncrl.distributed import sharded_pipeline
     from asyncrl.engines.vllm_remote.process import free_port, start_vllm_server
-    from examples import distributed_grpo as example
+    from asyncrl.examples import distributed_grpo as example
 
     ex = example_args(args)
     extra, env = server_args(args)
@@ -227,7 +227,7 @@ def work(args: argparse.Namespace) -> None:
     import functools
 
     from asyncrl.distributed import run_ranks
-    from examples import distributed_grpo as example
+    from asyncrl.examples import distributed_grpo as example
 
     async def lead(backend: Any) -> None:
         out = await (time_learner(args, backend) if args.worker == "learner" else publish_and_run(args, backend))

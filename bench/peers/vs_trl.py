@@ -19,7 +19,7 @@ clip 0.2/0.28, token-mean loss, constant LR, temperature 1):
 
 - ``demo``: the demo task on a ~4.7M-param character-level Qwen2 (hidden 256, 6 layers; the issue's reference
   shape), warm-started (lr 1e-3) by supervised teacher
-  forcing (``examples/sft.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
+  forcing (``asyncrl/examples/sft.py``) towards 30% held-out greedy accuracy (capped at ``--warm-max-steps``,
   cached in ``.cache/bench/vs-trl``); 8 prompts x 8 completions of <= 8
   tokens per step. Both trained models are then scored on the same 200 held-out problems with the same
   greedy decoder (transformers): ``accuracy_ours`` / ``accuracy_trl`` (``accuracy_base`` before RL).
@@ -131,7 +131,7 @@ def run_trl(args: argparse.Namespace, spec: dict[str, Any], name: str, extra_pat
 
 def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: Any) -> tuple[Path, dict]:
     """The checkpoint both sides start from, cached by its recipe."""
-    from examples import sft
+    from asyncrl.examples import sft
 
     recipe = {"hidden": prof["hidden"], "layers": prof["layers"], "seed": args.seed, "warm": prof["warm"],
               "warm_lr": prof["warm_lr"], "target": args.warm_target, "max_steps": args.warm_max_steps,
@@ -151,7 +151,7 @@ def base_model(args: argparse.Namespace, name: str, prof: dict[str, Any], task: 
 def held_out_accuracy(model_dir_or_model: Any, tok: Any, task: Any) -> float:
     from transformers import AutoModelForCausalLM
 
-    from examples import sft
+    from asyncrl.examples import sft
 
     model = model_dir_or_model
     if isinstance(model, (str, Path)):
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     try:
-        from examples import common as ex
+        from asyncrl.examples import common as ex
     except ImportError as exc:
         raise SystemExit(f"bench.peers.vs_trl needs the examples package (tasks, warm start, evaluation): {exc}")
     transformers.utils.logging.disable_progress_bar()

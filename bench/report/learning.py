@@ -74,6 +74,6 @@ FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = 
                    "of seed 0 (2 torch threads, bf16 warm start, warm start stopped at 25% / 35%).", demo_seeds),
     "learning": ("Learning: sync vs async at equal samples", "GRPO on addition; held-out greedy accuracy and "
                  "training wall time per setting, mean over seeds.", learning),
-    "tool_use": ("Multi-turn tool use", "examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
+    "tool_use": ("Multi-turn tool use", "asyncrl/examples/tool_use.py over seeds: held-out accuracy and tool-call rate "
                  "before and after RL.", tool_use),
 }

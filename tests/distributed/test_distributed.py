@@ -88,7 +88,7 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     from safetensors.torch import load_file
 
     from asyncrl.algorithms.logprobs import completion_logprobs
-    from examples import distributed_grpo as example
+    from asyncrl.examples import distributed_grpo as example
     from tests.support import load_hf_model
 
     argv = ["--model-dir", str(tiny_model_dir), *RUN_ARGS, "--packing", packing]
@@ -137,9 +137,10 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
 
 
 def _example(ranks: int, *args: str) -> list[dict]:
-    """``examples.distributed_grpo`` under torchrun on ``ranks`` ranks; its JSON event lines."""
+    """``asyncrl.examples.distributed_grpo`` under torchrun on ``ranks`` ranks; its JSON event lines."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [*TORCHRUN[:3], "--nproc-per-node", str(ranks), *TORCHRUN[5:], "-m", "examples.distributed_grpo", *args]
+    cmd = [*TORCHRUN[:3], "--nproc-per-node", str(ranks), *TORCHRUN[5:], "-m", "asyncrl.examples.distributed_grpo",
+           *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"event"')]

@@ -1,4 +1,4 @@
-"""``examples/grpo_offpolicy.py`` end to end, as a user runs it: a real subprocess, the real vLLM engine.
+"""``asyncrl/examples/grpo_offpolicy.py`` end to end, as a user runs it: a real subprocess, the real vLLM engine.
 
 Run A trains a tiny model built from a 5-line prompts file (plain, chat-format and GSM8K-style rows). Run B
 starts from the model run A saved (``--model``) on the built-in addition task, which proves vLLM loads the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import common, tracking
+from asyncrl.examples import common, tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden", "64", "--layers", "1", "--warm-max-steps", "10", "--steps", "3", "--n", "4",
@@ -30,7 +30,8 @@ PROMPTS = [
 
 
 def run_example(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "examples.grpo_offpolicy", "--out", str(out), *TINY, *extra], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.examples.grpo_offpolicy", "--out", str(out), *TINY, *extra],
+                          cwd=ROOT,
                           env=None if env is None else {**os.environ, **env},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

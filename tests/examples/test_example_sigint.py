@@ -43,7 +43,7 @@ def _running(proc: psutil.Process) -> bool:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")])
 def test_ctrl_c_mid_training_stops_script_and_children_within_10s(tmp_path: Path, sig: int, said: str) -> None:
-    args = [sys.executable, "-m", "examples.grpo_offpolicy", "--out", str(tmp_path / "run"), "--hidden", "64",
+    args = [sys.executable, "-m", "asyncrl.examples.grpo_offpolicy", "--out", str(tmp_path / "run"), "--hidden", "64",
             "--layers", "1",
             "--warm-max-steps", "5", "--steps", "100000", "--n", "4", "--batch-groups", "2", "--eval-every", "0",
             "--held-out", "10", "--tensorboard", "off", "--no-progress"]

@@ -1,4 +1,4 @@
-"""``examples/tool_use.py`` end to end as a user runs it (a real subprocess, the real vLLM engine), kept tiny: a
+"""``asyncrl/examples/tool_use.py`` end to end as a user runs it (a real subprocess, the real vLLM engine), kept tiny: a
 few warm-start and RL steps prove the wiring (episodes, tool calls, masked loss, metrics, plot), not learning
 (``bench/cpu/tool_use.py`` measures that)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import tracking
+from asyncrl.examples import tracking
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tool_use_example_runs_episodes_and_writes_metrics_plot_and_summary(tmp_path: Path) -> None:
     args = ["--hidden", "64", "--layers", "1", "--warm-steps", "30", "--warm-tool-frac", "0.5", "--steps", "3",
             "--n", "4", "--batch-groups", "2", "--eval-every", "2", "--held-out", "10", "--no-progress"]
-    proc = subprocess.run([sys.executable, "-m", "examples.tool_use", "--out", str(tmp_path), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.examples.tool_use", "--out", str(tmp_path), *args], cwd=ROOT,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # starts in seconds
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"example failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -36,9 +36,9 @@ def test_the_entry_module_is_required_and_must_be_a_module_name(capsys: pytest.C
     with pytest.raises(SystemExit) as exited:
         parse_args(["--local-cpus", "2", "--model-dir", "m", "--", "--steps", "3"])
     assert exited.value.code == 2 and "--entry" in capsys.readouterr().err  # no default program to fall back on
-    args, rest = parse_args(["--entry", "examples.distributed_grpo", "--model-dir", "m", "--", "--steps", "3"])
-    assert (args.entry, rest) == ("examples.distributed_grpo", ["--steps", "3"])
-    for bad in ("", "examples/distributed_grpo.py", "examples..grpo"):
+    args, rest = parse_args(["--entry", "asyncrl.examples.distributed_grpo", "--model-dir", "m", "--", "--steps", "3"])
+    assert (args.entry, rest) == ("asyncrl.examples.distributed_grpo", ["--steps", "3"])
+    for bad in ("", "asyncrl/examples/distributed_grpo.py", "examples..grpo"):
         with pytest.raises(ConfigError) as err:
             check_entry(bad)
         assert err.value.field == "entry"
@@ -52,7 +52,8 @@ def test_ray_places_a_server_and_two_ranks_and_trains(tiny_model_dir: Path) -> N
     pytest.importorskip("ray")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "asyncrl.launch.ray", "--local-cpus", "2", "--entry", "examples.distributed_grpo",
+    cmd = [sys.executable, "-m", "asyncrl.launch.ray", "--local-cpus", "2",
+           "--entry", "asyncrl.examples.distributed_grpo",
            "--model-dir", str(tiny_model_dir),
            "--servers", "1", "--ranks", "2", "--rank-cpus", "0.5",
            "--server-args", "--dtype float32 --enforce-eager --max-model-len 128",

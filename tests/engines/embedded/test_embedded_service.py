@@ -1,6 +1,6 @@
-"""Producers inside an existing service, end to end: ``examples.remote_learner`` and ``examples.embedded_service``
-as real processes on loopback (engine control and the shutdown handshake on fakes are in
-test_embedded_service_control.py and test_embedded_service_shutdown.py).
+"""Producers inside an existing service, end to end: ``asyncrl.examples.remote_learner`` and
+``asyncrl.examples.embedded_service`` as real processes on loopback (engine control and the shutdown handshake on
+fakes are in test_embedded_service_control.py and test_embedded_service_shutdown.py).
 
 The ``vllm`` test measures the service's own endpoint latency while rollouts stream and weights are published,
 and checks the shutdown: the learner's Ctrl-C ends the service's producer and then its engine, SIGTERM ends the
@@ -192,9 +192,9 @@ async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(
     children: list[Child] = []
     try:
         for name, argv in [
-            ("learner", ["-m", "examples.remote_learner", *model, "--port", str(ports["ingest"]),
+            ("learner", ["-m", "asyncrl.examples.remote_learner", *model, "--port", str(ports["ingest"]),
                          "--service-url", url["service"], "--steps", "1000"]),
-            ("service", ["-m", "examples.embedded_service", *model, "--port", str(ports["service"]),
+            ("service", ["-m", "asyncrl.examples.embedded_service", *model, "--port", str(ports["service"]),
                          "--ingest-url", url["ingest"]]),
             ("bare", ["-c", BARE_SERVICE, str(ports["bare"])]),
         ]:

@@ -39,7 +39,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 async def rollouts(control: EngineControl, engine: Engine, body: Callable[[], Any]) -> None:
-    """The service's RL part, as ``examples/embedded_service.py`` runs it: the engine is attached while
+    """The service's RL part, as ``asyncrl/examples/embedded_service.py`` runs it: the engine is attached while
     ``body`` (the producer) runs and closed once it is detached."""
     try:
         async with control.serving(engine):
@@ -128,7 +128,7 @@ async def test_the_learner_closing_its_queue_ends_the_service_producer_then_its_
 
     async with control_server(None) as (url, control):
         service = asyncio.create_task(rollouts(control, engine, produce))
-        # The learner process, as examples/remote_learner.py: the engine's version first, then the queue.
+        # The learner process, as asyncrl/examples/remote_learner.py: the engine's version first, then the queue.
         remote = await RemoteControlEngine.connect(url, TOKEN, tmp_path, staging_dir=staging, ready_timeout_s=WAIT_S)
         clock = VersionClock(remote.version)
         sender, receiver = create_rollout_queue(QueueConfig(capacity=4, max_staleness=4), clock)

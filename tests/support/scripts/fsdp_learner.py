@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from examples import distributed_grpo as example  # noqa: E402
+from asyncrl.examples import distributed_grpo as example  # noqa: E402
 
 SEQS = [[1, 5, 17, 33, 9, 60, 61, 4, 21, 88, 3, 44], [1, 70, 2, 71, 15, 15, 15, 90, 6, 7, 8, 9]]
 

@@ -1,7 +1,7 @@
 """Tool use with multi-turn GRPO: a tiny model learns to call a calculator for products it cannot compute.
 
-    python -m examples.tool_use                    # build, warm-start, RL (a few minutes on a 2-core CPU)
-    python -m examples.tool_use --steps 20 --out runs/tool_quick
+    python -m asyncrl.examples.tool_use                    # build, warm-start, RL (a few minutes on a 2-core CPU)
+    python -m asyncrl.examples.tool_use --steps 20 --out runs/tool_quick
 
 The task is ``a*b=`` with two-digit operands, far beyond what a 2-layer character-level model learns to
 multiply in minutes. The model may instead write ``<calc>a*b</calc>``: its turn ends at the ``</calc>`` token,
@@ -14,7 +14,7 @@ rest answer directly (and mostly wrongly: the model cannot multiply). So RL star
 tool sometimes; GRPO on whole episodes (the loss masks out environment tokens) raises the tool-call rate and
 with it the held-out accuracy. Accuracy is measured greedily through the same episode runner.
 
-The task, the calculator and the call format live in ``examples/calculator.py``.
+The task, the calculator and the call format live in ``asyncrl/examples/calculator.py``.
 
 Writes into ``--out``: ``metrics.jsonl`` (one row per learner step, ``episode/*`` gauges included),
 ``tool_use.png``, ``summary.json`` and ``base/`` (the warm-started model).
@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from examples import common, sft, tracking
-from examples.calculator import (CALL, END_CALL, END_RES, RES, TOOL_TOKENS, CalculatorProtocol,
+from asyncrl.examples import common, sft, tracking
+from asyncrl.examples.calculator import (CALL, END_CALL, END_RES, RES, TOOL_TOKENS, CalculatorProtocol,
                                  multiplication_task)
 
-log = logging.getLogger("examples.tool_use")
+log = logging.getLogger("asyncrl.examples.tool_use")
 
 
 

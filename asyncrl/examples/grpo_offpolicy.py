@@ -1,8 +1,8 @@
 """Asynchronous off-policy GRPO that learns, on a 2-core CPU, in a few minutes.
 
-    python -m examples.grpo_offpolicy                      # tiny model + addition task (make demo)
-    python -m examples.grpo_offpolicy --steps 20 --out runs/quick
-    python -m examples.grpo_offpolicy --prompts gsm8k.parquet --model path/to/hf-model --max-tokens 256
+    python -m asyncrl.examples.grpo_offpolicy                      # tiny model + addition task (make demo)
+    python -m asyncrl.examples.grpo_offpolicy --steps 20 --out runs/quick
+    python -m asyncrl.examples.grpo_offpolicy --prompts gsm8k.parquet --model path/to/hf-model --max-tokens 256
 
 Without ``--model`` a character-level Qwen2 model is built locally and warm-started with supervised
 teacher forcing (prompt -> answer + EOS) until its held-out greedy accuracy reaches ``--warm-target``; then
@@ -13,7 +13,7 @@ greedy answers flip from step to step at a constant rate, and the decay lets the
 (``bench/cpu/demo_seeds.py`` measures the recipe over seeds).
 
 Rewards: the addition task scores exact matches. A ``--prompts`` file (JSONL or Parquet, ``prompt`` /
-``answer`` columns; verl's GSM8K parquet works) is scored by ``examples.common.answer_reward``: 1 when the
+``answer`` columns; verl's GSM8K parquet works) is scored by ``asyncrl.examples.common.answer_reward``: 1 when the
 stripped completion equals the answer, or, for numeric answers (GSM8K ``#### N``), when the last number in
 the completion equals it.
 
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examples import common, sft, tracking
+from asyncrl.examples import common, sft, tracking
 
-log = logging.getLogger("examples.grpo_offpolicy")
+log = logging.getLogger("asyncrl.examples.grpo_offpolicy")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Pieces shared by the examples (``grpo_offpolicy.py``, ``tool_use.py``, ``distributed_grpo.py``) and the
 benchmarks built on them: command-line set-up, the tasks (the built-in addition task, or a user prompts file,
 JSONL / Parquet with ``prompt`` / ``answer``), prompt encoding and rewards, and the engine warm-up.
-``examples/sft.py`` builds and warm-starts the tiny model; ``examples/tracking.py`` evaluates, reports and plots.
+``sft.py`` builds and warm-starts the tiny model; ``tracking.py`` evaluates, reports and plots.
 
 Everything here is example code: it may use vLLM and transformers directly. The library stays behind its
 Engine Protocol.
@@ -23,14 +23,13 @@ from typing import Any
 
 from asyncrl.testing.tasks import arithmetic
 
-ROOT = Path(__file__).resolve().parents[1]
 RewardFn = Callable[[str, str], float]  # (completion text, reference answer) -> reward
 
 
 def set_env_defaults(cache: Path | None = None) -> None:
     """Offline hub, quiet vLLM and a project-local vLLM cache (the KV cache size comes from
     ``VLLMEngineConfig.kv_cache_gib``)."""
-    cache = cache or ROOT / ".cache"
+    cache = cache or Path(".cache").resolve()  # beside the run directories, in the working directory
     for key, value in {
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
         "VLLM_CACHE_ROOT": str(cache / "vllm"), "VLLM_NO_USAGE_STATS": "1",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.testing.tasks import arithmetic
-from examples.common import Example, RewardFn, Task, encode_prompt
+from asyncrl.examples.common import Example, RewardFn, Task, encode_prompt
 
 
 def tiny_spec(hidden: int = 128, layers: int = 2, vocab: int = 32, context: int = 256, seed: int = 0) -> Any:

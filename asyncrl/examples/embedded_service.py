@@ -1,11 +1,11 @@
 """An existing aiohttp service that also produces RL rollouts, in its own process and event loop.
 
-    ASYNCRL_TOKEN=secret python -m examples.embedded_service --model-dir DIR \\
+    ASYNCRL_TOKEN=secret python -m asyncrl.examples.embedded_service --model-dir DIR \\
         --port 8080 --ingest-url http://127.0.0.1:8100
 
 The service keeps its own routes (``GET /hello``, ``GET /stats``). In the background it starts an in-process
 vLLM engine and a ``Producer`` that sends scored groups to a learner in another process
-(``examples.remote_learner``) through a ``RemoteQueueClient``. ``EngineControl`` mounts the control routes
+(``asyncrl.examples.remote_learner``) through a ``RemoteQueueClient``. ``EngineControl`` mounts the control routes
 under ``/asyncrl/`` so that learner can pause the engine, publish weights into it and resume it. The service
 answers while the engine starts (control calls get 503 until it is up), and keeps answering after the
 learner has gone.

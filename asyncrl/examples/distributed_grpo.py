@@ -1,8 +1,8 @@
 """GRPO with an FSDP2 learner over N ranks and N vLLM servers (the addition task on a local model).
 
-    torchrun --nproc-per-node 2 -m examples.distributed_grpo --model-dir DIR --servers http://127.0.0.1:8000
-    torchrun --nproc-per-node 2 -m examples.distributed_grpo --model-dir DIR --start-servers 1   # one host
-    python -m asyncrl.launch.ray --entry examples.distributed_grpo --model-dir DIR --servers 2 --ranks 2 \\
+    torchrun --nproc-per-node 2 -m asyncrl.examples.distributed_grpo --model-dir DIR --servers http://127.0.0.1:8000
+    torchrun --nproc-per-node 2 -m asyncrl.examples.distributed_grpo --model-dir DIR --start-servers 1   # one host
+    python -m asyncrl.launch.ray --entry asyncrl.examples.distributed_grpo --model-dir DIR --servers 2 --ranks 2 \\
         -- --steps 50                                                                              # Ray
 
 Rank 0 connects to the servers (an ``EnginePool``), runs the producers, the queue and the learner; each step

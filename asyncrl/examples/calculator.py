@@ -1,4 +1,4 @@
-"""The task and tool of ``examples/tool_use.py``: ``a*b=`` problems, the calculator (a plain async function),
+"""The task and tool of ``asyncrl/examples/tool_use.py``: ``a*b=`` problems, the calculator (a plain async function),
 and the protocol between model and environment (a call is ``<calc>a*b</calc>`` ending the model's turn; the
 result comes back as ``<res>product</res>`` environment tokens; tool markers are single tokens)."""
 
@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from asyncrl.testing.tasks import arithmetic
-from examples import common
+from asyncrl.examples import common
 
 CALL, END_CALL, RES, END_RES, ERR = "<calc>", "</calc>", "<res>", "</res>", "<err>"
 TOOL_TOKENS = (CALL, END_CALL, RES, END_RES, ERR)

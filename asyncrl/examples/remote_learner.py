@@ -1,6 +1,6 @@
-"""The learner process for ``examples.embedded_service``: rollouts come in over HTTP, weights go out.
+"""The learner process for ``asyncrl.examples.embedded_service``: rollouts come in over HTTP, weights go out.
 
-    ASYNCRL_TOKEN=secret python -m examples.remote_learner --model-dir DIR \\
+    ASYNCRL_TOKEN=secret python -m asyncrl.examples.remote_learner --model-dir DIR \\
         --port 8100 --service-url http://127.0.0.1:8080 --steps 20
 
 A ``RemoteControlEngine`` reads the version of the engine embedded in the service (waiting for it to start);

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from examples.common import Example, RewardFn, Task, encode_prompt
+from asyncrl.examples.common import Example, RewardFn, Task, encode_prompt
 
 
 async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Example], reward: RewardFn,
