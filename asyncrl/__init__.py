@@ -4,7 +4,7 @@ vLLM producers stream version-tagged rollouts into a bounded queue; an async lea
 publishes new weights into the engine (prepare -> pause -> load -> resume).
 """
 
-from asyncrl.actors import Learner, Producer, RewardFn, WeightSync, publish
+from asyncrl.actors import Evaluator, Learner, Producer, RewardFn, WeightSync, publish
 from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import (
     AbortPolicy, Autocast, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
@@ -31,7 +31,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AbortPolicy", "Autocast", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError",
-    "Env",    "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "FinishReason", "GRPOLoss", "GroupTotals",
+    "Env", "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "Evaluator", "FinishReason", "GRPOLoss",
+    "GroupTotals",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
     "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
     "PromptSource", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution", "RewardFn", "Rollout",

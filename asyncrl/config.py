@@ -238,6 +238,12 @@ class PipelineConfig:
     num_producers: Annotated[PositiveInt, Field(description="producer actors sharing the engine(s)")] = 1
     shutdown_timeout_s: Annotated[Seconds, Field(description=(
         "bound on each shutdown step (learner thread, engine) after the run ends"))] = 30.0
+    progress: Annotated[bool, Field(description=(
+        "print one short line per learner step to stderr (step, version, groups, reward, staleness, tokens/s, "
+        "drops; ``asyncrl.metrics.ProgressLine``); off for programs that print their own"))] = True
+    allow_dtype_mismatch: Annotated[bool, Field(description=(
+        "train although the engine samples in another precision than the learner computes in (refused by "
+        "default: the importance ratios would measure the precision gap, not staleness)"))] = False
 
     @model_validator(mode="after")
     def _rules(self) -> PipelineConfig:

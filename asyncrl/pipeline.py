@@ -24,6 +24,7 @@ from asyncrl.errors import ConfigError
 from asyncrl.engines.protocols import Lifecycle, WeightTarget
 from asyncrl.episodes.runner import EpisodeMetricsHook
 from asyncrl.errors import NoProgressError
+from asyncrl.metrics import ProgressLine
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,13 @@ class Pipeline:
         runners = [p.episodes.counters for p in producers if p.episodes is not None]
         if runners:  # turns, tool calls and environment time per learner step
             learner.hooks.append(EpisodeMetricsHook(runners))
+        self.config = config or PipelineConfig()
+        if self.config.progress:  # after the hooks above: the line sees the metrics they add
+            learner.hooks.append(ProgressLine().log)
         self.engine = engine
         self.producers = list(producers)
         self.receiver = learner.receiver
         self.learner = learner
-        self.config = config or PipelineConfig()
         self.close_engine = close_engine  # shut the engine down when run() ends
         self.result = RunResult()
 
@@ -126,8 +129,9 @@ class Pipeline:
             batch = await self._generate_batch(producer, size)
             self.result.gen_s += time.perf_counter() - t_gen
             if not batch:
-                raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps; group "
-                                      f"drops: {self.totals().describe_drops()}")
+                raise NoProgressError(f"the prompts ran out after {self.learner.step} of {steps} steps (repeat "
+                                      f"them with PromptSource(items, epochs=k), or epochs=None for no end); "
+                                      f"group drops: {self.totals().describe_drops()}")
             sleeper = await self._sleep_engine()
             result = await self.learner.train_and_publish(batch, trim=sleeper is not None)
             await self.learner.flush()  # synchronous mode: the next batch is generated with these weights

@@ -51,6 +51,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
         loss = GRPOLoss(loss_config or LossConfig(), sampling=config.producer.sampling, pad_id=pad_id,
                         ref_model=ref_model)
     check_group_size(loss, config)
+    check_engine_fits(engine, backend.model if backend is not None else model, config)
     source = prompts if isinstance(prompts, PromptSource) else PromptSource(prompts)
     clock = VersionClock(engine.version)
     gate = admission_gate(config, clock, step)
@@ -94,6 +95,32 @@ def check_group_size(loss: Loss, config: PipelineConfig) -> None:
     if n < loss.min_group_size:
         raise ConfigError("SamplingConfig.n", f"{type(loss).__name__} needs groups of at least "
                                               f"{loss.min_group_size} samples to learn anything, got n={n}")
+
+
+def check_engine_fits(engine: Engine, model: torch.nn.Module | None, config: PipelineConfig) -> None:
+    """Refuse what would otherwise pass silently: completions longer than the engine's context, and an engine
+    sampling in another precision than the learner computes in (after autocast)."""
+    max_tokens, context = config.producer.sampling.max_tokens, engine.max_model_len
+    if max_tokens >= context:
+        raise ConfigError("SamplingConfig.max_tokens", f"max_tokens={max_tokens} leaves no room for a prompt in "
+                                                       f"{engine.name}'s context of {context} tokens (max_model_len)")
+    serving, learner = engine.serving_dtype, learner_dtype(model, config.learner)
+    if serving is None or learner is None or serving == learner or config.allow_dtype_mismatch:
+        return
+    raise ConfigError("PipelineConfig.allow_dtype_mismatch", (
+        f"{engine.name} samples in {serving} but the learner computes in {learner}: the importance ratios would "
+        f"measure that gap, not staleness. Start the engine in the learner's precision (VLLMEngineConfig(dtype="
+        f"'{learner}')), or train in the engine's (LearnerConfig(autocast='{serving}'), or the model loaded in "
+        f"{serving}); or accept the gap with PipelineConfig(allow_dtype_mismatch=True)"))
+
+
+def learner_dtype(model: torch.nn.Module | None, config: LearnerConfig) -> str | None:
+    """The precision the learner's forward pass computes in: its autocast dtype, else its parameters'."""
+    if config.autocast is not None:
+        return config.autocast
+    floating = (p.dtype for p in model.parameters() if p.is_floating_point()) if model is not None else iter(())
+    dtype = next(floating, None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def default_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:

@@ -143,8 +143,9 @@ def test_construction_reads_neither_disk_nor_environment(tmp_path: Path, tiny_mo
     cfg = VLLMEngineConfig(model=str(tiny_model_dir), kv_cache_gib=2.5)
     engine_args(cfg)
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # building the arguments sets nothing
-    assert engine_env(cfg) == {"VLLM_CPU_KVCACHE_SPACE": "3"}  # this machine is vLLM CPU
-    assert engine_env(cfg, {"VLLM_CPU_KVCACHE_SPACE": "1"}) == {}  # the user's setting wins
+    assert engine_env(cfg) == {"VLLM_CPU_KVCACHE_SPACE": "3"}  # vLLM CPU here; conftest sets VLLM_LOGGING_LEVEL
+    user = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert engine_env(cfg, user) == {}  # the user's settings win
 
 
 def test_scoped_env_puts_back_what_was_there(monkeypatch: pytest.MonkeyPatch) -> None:

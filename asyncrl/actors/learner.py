@@ -126,8 +126,9 @@ class Learner:
                     if steps is None:
                         break
                     raise NoProgressError(f"the rollout queue ended after {self.step} of {steps} steps: every "
-                                          f"producer finished; group drops: "
-                                          f"{self.totals().describe_drops()}") from None
+                                          f"producer finished, so the prompts ran out (repeat them with "
+                                          f"PromptSource(items, epochs=k), or epochs=None for no end); "
+                                          f"group drops: {self.totals().describe_drops()}") from None
                 wait_s = time.perf_counter() - t0
                 result = await self.train_and_publish(batch)
                 await self.report(result, extra={"learner/wait_s": wait_s})

@@ -73,23 +73,27 @@ def checkpoint_hook(checkpointer: Checkpointer, learner: Learner, source: Prompt
     return hook
 
 
-async def resume_pipeline(engine: Engine, model: torch.nn.Module, items: Iterable[Prompt] | AsyncIterable[Prompt],
+async def resume_pipeline(engine: Engine, model: torch.nn.Module,
+                          items: Iterable[Prompt] | AsyncIterable[Prompt] | PromptSource,
                           reward_fn: RewardFn, config: PipelineConfig | None = None, *,
                           checkpoint: Checkpoint | str | Path | None, checkpointer: Checkpointer | None = None,
                           **kwargs: Any) -> tuple[Pipeline, ResumeState | None]:
     """A ``grpo_pipeline`` continuing from ``checkpoint`` (None: a fresh run), ready to ``run()``.
 
-    ``items`` is the full prompt stream, as given to the original run; it is skipped to the checkpoint's
-    cursor. Weights and optimiser state are restored into ``model`` and the pipeline's optimiser, the group
+    ``items`` is the full prompt stream, as given to the original run, or a fresh ``PromptSource`` built as the
+    original run's was (its epochs and shuffle seed); either is positioned at the checkpoint's cursor. Weights
+    and optimiser state are restored into ``model`` and the pipeline's optimiser, the group
     accounting continues, and the restored weights are published to ``engine`` under the checkpoint's version
     (the next one if they were saved between publications). With ``checkpointer``, the pipeline checkpoints
     itself every ``every_steps`` steps. ``kwargs`` go to ``grpo_pipeline``.
     """
-    if isinstance(items, PromptSource):
-        raise TypeError("resume_pipeline needs the raw prompt stream (it positions the PromptSource itself)")
     ckpt = verify(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
     meta = ckpt.meta if ckpt else {"cursor": 0, "step": 0}
-    source = PromptSource(items, start=meta["cursor"])
+    if isinstance(items, PromptSource):
+        source = items
+        source.seek(meta["cursor"])
+    else:
+        source = PromptSource(items, start=meta["cursor"])
     pipe = grpo_pipeline(engine, model, source, reward_fn, config, step=meta["step"], **kwargs)
     state = None
     if ckpt is not None:

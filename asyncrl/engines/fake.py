@@ -24,8 +24,10 @@ from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 class FakeEngine(Engine):
     def __init__(self, *, token_delay_s: float = 0.0, max_model_len: int = 256, logprob: float = -1.0,
                  vocab_size: int = 100, name: str = "fake",
-                 length_fn: Callable[[tuple[int, ...], int], int] | None = None) -> None:
+                 length_fn: Callable[[tuple[int, ...], int], int] | None = None,
+                 serving_dtype: str | None = None) -> None:
         self.name = name
+        self._serving_dtype = serving_dtype
         self.length_fn = length_fn
         self._version = 0
         self._max_model_len = max_model_len
@@ -63,6 +65,10 @@ class FakeEngine(Engine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def serving_dtype(self) -> str | None:
+        return self._serving_dtype
 
     @property
     def vocab_size(self) -> int:

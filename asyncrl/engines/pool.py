@@ -71,6 +71,12 @@ class EnginePool(Engine):
         return min(m.engine.max_model_len for m in self._members)
 
     @property
+    def serving_dtype(self) -> str | None:
+        """The members' precision when they all know and agree on it, else None (unknown)."""
+        found = {m.engine.serving_dtype for m in self._members}
+        return found.pop() if len(found) == 1 else None
+
+    @property
     def vocab_size(self) -> int:
         return min(m.engine.vocab_size for m in self._members)
 

@@ -86,6 +86,13 @@ class Sampler(Protocol):
         refuses such a prompt with ``PromptRejected``."""
         ...
 
+    @property
+    def serving_dtype(self) -> str | None:
+        """The precision the engine samples in (``"float32"``, ``"bfloat16"``...), or None where it cannot be known
+        (a server started elsewhere: vLLM does not report it). ``grpo_pipeline`` refuses an engine whose precision
+        differs from the learner's: the importance ratios would measure the precision gap, not staleness."""
+        return None
+
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
         """Sample ``n`` (default ``params.n``) completions. Called by producers, many at once; in an episode,

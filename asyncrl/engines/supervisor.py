@@ -61,6 +61,10 @@ class SupervisedEngine(Engine):
         return self._inner.max_model_len
 
     @property
+    def serving_dtype(self) -> str | None:
+        return self._inner.serving_dtype
+
+    @property
     def vocab_size(self) -> int:
         return self._inner.vocab_size
 

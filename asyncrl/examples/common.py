@@ -1,6 +1,6 @@
 """Pieces shared by the examples (``grpo_offpolicy.py``, ``tool_use.py``, ``distributed_grpo.py``) and the
-benchmarks built on them: command-line set-up, the tasks (the built-in addition task, or a user prompts file,
-JSONL / Parquet with ``prompt`` / ``answer``), prompt encoding and rewards, and the engine warm-up.
+benchmarks built on them: command-line set-up, the tasks (the built-in addition task, or a user prompts file
+read by ``asyncrl.data``), rewards, and the engine warm-up.
 ``sft.py`` builds and warm-starts the tiny model; ``tracking.py`` evaluates, reports and plots.
 
 Everything here is example code: it may use vLLM and transformers directly. The library stays behind its
@@ -9,18 +9,19 @@ Engine Protocol.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import itertools
-import json
 import logging
 import os
-import random
-import re
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from asyncrl import data
+from asyncrl.data import (
+    Example, PromptSource, answer_reward, encode_prompts, load_examples, load_reward, prompt_text, split_held_out,
+)
 from asyncrl.testing.tasks import arithmetic
 
 RewardFn = Callable[[str, str], float]  # (completion text, reference answer) -> reward
@@ -82,14 +83,6 @@ def announce_engine_start() -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Example:
-    """One problem: the prompt (text, or chat messages) and its reference answer."""
-
-    prompt: str | list[dict[str, str]]
-    answer: str
-
-
-@dataclass(frozen=True, slots=True)
 class Task:
     """Training problems, disjoint held-out problems and the reward that scores a completion."""
 
@@ -98,6 +91,8 @@ class Task:
     held_out: list[Example]
     reward: RewardFn  # what accuracy counts as correct (held-out evaluation)
     train_reward: RewardFn | None = None  # what RL maximises, when it differs (e.g. partial credit)
+    rl_reward: Callable[[Any, Any], Any] | None = None  # a library RewardFn (prompt, sample) RL maximises instead
+    epochs: int | None = None  # passes over ``train`` in RL (None: without end, reshuffled every pass)
 
 
 def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0, reward: str = "exact",
@@ -112,114 +107,68 @@ def arithmetic_task(n_train: int = 9000, n_held_out: int = 200, seed: int = 0, r
     return Task("arithmetic", to_ex(train), to_ex(held_out), arithmetic.reward, train_reward)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+def load_prompts_file(path: str | Path, n_held_out: int = 200, seed: int = 0, prompt_key: str | None = None,
+                      answer_key: str | None = None) -> Task:
+    """A JSONL or Parquet file of problems (``asyncrl.data.load_examples``: plain, chat-message, verl and GSM8K
+    layouts, or the columns named), split into training and held-out problems (``split_held_out``), scored by
+    ``answer_reward``."""
+    train, held_out = split_held_out(load_examples(path, prompt_key, answer_key), n_held_out, seed)
+    return Task(Path(path).stem, train, held_out, answer_reward)
 
 
-def reference_answer(answer: str) -> str:
-    """The part of ``answer`` a completion must match: the text after the last ``####`` (GSM8K's solution
-    format) when there is one, else the whole answer, stripped."""
-    return answer.rsplit("####", 1)[-1].strip() if "####" in answer else answer.strip()
+def reward_spec(value: str) -> str:
+    """argparse type of ``--reward``: ``exact``, ``digits`` or ``package.module:function``."""
+    if value in ("exact", "digits") or ":" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: expected exact, digits or package.module:function")
 
 
-def answer_reward(completion: str, answer: str) -> float:
-    """Reward for user prompts files: 1.0 when the stripped completion equals the reference answer.
-
-    When the reference is a number (GSM8K: ``"72"`` or ``"... #### 72"``), the last number in the completion
-    is compared with it instead (commas ignored), as GSM8K's "flexible" scoring does. Otherwise 0.0.
-    """
-    ref = reference_answer(answer)
-    text = completion.strip()
-    if text == ref:
-        return 1.0
-    ref_num = _as_number(ref)
-    if ref_num is None:
-        return 0.0
-    found = _NUMBER.findall(text)
-    return 1.0 if found and _as_number(found[-1]) == ref_num else 0.0
-
-
-def _as_number(text: str) -> float | None:
-    text = text.replace(",", "").strip()
-    if not _NUMBER.fullmatch(text):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return None
+def task_from_args(args: argparse.Namespace) -> Task:
+    """The task a ``grpo_offpolicy``-style command line asks for: the addition task or ``--prompts``, with the
+    data group's ``--prompt-key``, ``--answer-key``, ``--epochs``, ``--chat-template`` and ``--reward``."""
+    named = ":" in args.reward  # a library RewardFn: RL maximises it, accuracy stays exact match
+    if args.prompts is None:
+        task = arithmetic_task(n_held_out=args.held_out, seed=args.seed, reward="exact" if named else args.reward,
+                               reversed_answers=args.reversed_answers)
+    elif args.reward == "digits":
+        raise SystemExit("--reward digits is for the addition task; a prompts file takes exact or module:function")
+    else:
+        task = load_prompts_file(args.prompts, args.held_out, args.seed, args.prompt_key, args.answer_key)
+    if args.chat_template == "on" and args.model is None:
+        raise SystemExit("--chat-template on needs --model with a chat template (the tiny model has none)")
+    if args.chat_template != "auto":
+        task = replace(task, train=_as_chat(task.train, args.chat_template), held_out=_as_chat(task.held_out,
+                                                                                               args.chat_template))
+    return replace(task, rl_reward=load_reward(args.reward) if named else None, epochs=args.epochs or None)
 
 
-def load_prompts_file(path: str | Path, n_held_out: int = 200, seed: int = 0) -> Task:
-    """Read a JSONL or Parquet file of problems and split off a held-out set (seeded shuffle).
-
-    Each row needs a ``prompt`` (a string, or chat messages ``[{"role", "content"}]`` as in verl's GSM8K
-    parquet) and an answer: ``answer``, else ``reward_model.ground_truth`` (verl), else
-    ``extra_info.answer``. The held-out set is ``min(n_held_out, len // 5)`` rows (at least 1); with a
-    single row it is also the training set.
-    """
-    rows = _read_rows(Path(path))
-    examples = [_example_of(row, i, path) for i, row in enumerate(rows)]
-    if not examples:
-        raise ValueError(f"{path}: no rows")
-    random.Random(seed).shuffle(examples)
-    k = max(1, min(n_held_out, len(examples) // 5))
-    train = examples[k:] or examples
-    return Task(Path(path).stem, train, examples[:k], answer_reward)
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _example_of(row: dict[str, Any], index: int, path: str | Path) -> Example:
-    prompt = row.get("prompt")
-    answer = row.get("answer")
-    if answer is None and isinstance(row.get("reward_model"), dict):
-        answer = row["reward_model"].get("ground_truth")
-    if answer is None and isinstance(row.get("extra_info"), dict):
-        answer = row["extra_info"].get("answer")
-    if not prompt or answer is None:
-        raise ValueError(f"{path}: row {index} needs a 'prompt' and an 'answer' (or reward_model.ground_truth)")
-    if not isinstance(prompt, str):
-        prompt = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
-    return Example(prompt, str(answer))
-
-
-def prompt_text(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:
-    """Chat messages go through the tokenizer's chat template (generation prompt added) when it has one,
-    else their contents are joined with newlines."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    return "\n".join(m["content"] for m in prompt)
+def _as_chat(examples: list[Example], mode: str) -> list[Example]:
+    """``on``: every prompt as chat messages (a string becomes one user message), so the tokenizer's template
+    applies; ``off``: every prompt as plain text (messages' contents joined), so none does."""
+    if mode == "on":
+        return [ex if isinstance(ex.prompt, list) else Example([{"role": "user", "content": ex.prompt}], ex.answer)
+                for ex in examples]
+    return [ex if isinstance(ex.prompt, str) else Example(prompt_text(ex.prompt, None, False), ex.answer)
+            for ex in examples]
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> tuple[int, ...]:
-    """Token ids of a prompt. A chat template already holds any BOS text, so none is added to its output."""
-    return tuple(tokenizer(prompt_text(prompt, tokenizer), add_special_tokens=isinstance(prompt, str)).input_ids)
+    """Token ids of a prompt (``asyncrl.data.encode_prompt``: chat template when it has one, lossless or refused)."""
+    return data.encode_prompt(prompt, tokenizer)
 
 
-def rl_prompts(task: Task, tokenizer: Any, seed: int) -> Iterator[Any]:
-    """An endless stream of ``asyncrl.Prompt`` over the training problems, reshuffled every epoch."""
-    from asyncrl import Prompt
-
-    encoded = [(encode_prompt(tokenizer, ex.prompt), ex) for ex in task.train]
-    rng = random.Random(seed)
-    for epoch in itertools.count():
-        order = list(range(len(encoded)))
-        rng.shuffle(order)
-        for i in order:
-            ids, ex = encoded[i]
-            yield Prompt(f"train-{i}", ids, prompt_text(ex.prompt, tokenizer), ex.answer)
+def rl_prompts(task: Task, tokenizer: Any, seed: int) -> PromptSource:
+    """The training problems as a ``PromptSource``: ``task.epochs`` passes (None: without end), each in its own
+    seeded order."""
+    return PromptSource(encode_prompts(task.train, tokenizer, id_prefix="train-"), epochs=task.epochs,
+                        shuffle_seed=seed)
 
 
-def prompt_reward(task: Task) -> Callable[[Any, Any], float]:
-    """The producer's reward function: the task's training reward on the sample's text vs the prompt's answer."""
+def prompt_reward(task: Task) -> Callable[[Any, Any], Any]:
+    """The producer's reward function: ``task.rl_reward``, else the task's training reward on the sample's text
+    vs the prompt's answer."""
+    if task.rl_reward is not None:
+        return task.rl_reward
     reward = task.train_reward or task.reward
     return lambda prompt, sample: reward(sample.text, prompt.answer)
 

@@ -107,7 +107,8 @@ def pipeline_config(args: argparse.Namespace) -> Any:
     capacity = args.batch_groups * (args.max_staleness + 1)
     return PipelineConfig(producer=ProducerConfig(sampling=sampling, max_inflight_groups=args.batch_groups),
                           queue=QueueConfig(capacity=capacity, max_staleness=args.max_staleness),
-                          learner=learner_config(args), num_producers=args.producers)
+                          learner=learner_config(args), num_producers=args.producers,
+                          progress=False)  # one JSON line per step on stdout already
 
 
 def prompts(args: argparse.Namespace) -> Iterator[Any]:

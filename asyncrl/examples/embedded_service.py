@@ -18,14 +18,15 @@ Shutdown (the service's side of the handshake in ``asyncrl.engines.embedded.serv
   learner holding a pause can still resume; only then does the HTTP server stop. (aiohttp's ``run_app``
   would close the listening socket before any cleanup hook runs, hence the runner is driven here.)
 
-Prints one JSON line per event on stdout.
+Prints one JSON line per event on stdout, and nothing else there: at start-up stdout is moved aside for the
+events, and file descriptor 1 points at stderr, so vLLM's log (stdout by default), its engine-core processes
+(which inherit descriptor 1) and any stray print go to stderr. ``asyncrl-embedded-service`` runs it too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -43,14 +44,18 @@ from asyncrl.actors.producer import Producer
 from asyncrl.aio import first_cause
 from asyncrl.engines.embedded import EngineControl
 from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from asyncrl.examples.entry import JsonEvents
 from asyncrl.queues.ingest_client import RemoteQueueClient
 from asyncrl.testing.tasks import arithmetic
 
 log = logging.getLogger("embedded_service")
 
 
+EVENTS = JsonEvents()  # this program's event stream (stdout, moved aside at start-up: ``main``)
+
+
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    EVENTS.emit(event, **fields)
 
 
 @dataclass
@@ -138,7 +143,7 @@ def build_app(token: str) -> web.Application:
     return app
 
 
-async def main(args: argparse.Namespace, token: str) -> None:
+async def serve(args: argparse.Namespace, token: str) -> None:
     app = build_app(token)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
     await runner.setup()
@@ -159,7 +164,10 @@ async def main(args: argparse.Namespace, token: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=(
+        "environment: ASYNCRL_TOKEN (required) is the bearer token of the control routes and of the learner's "
+        "ingest server; the learner (asyncrl-remote-learner) uses the same one. Events are JSON lines on stdout; "
+        "logs go to stderr."))
     p.add_argument("--model-dir", required=True, help="local model directory (tokenizer + safetensors)")
     p.add_argument("--ingest-url", required=True, help="the learner's RolloutIngestServer")
     p.add_argument("--host", default="127.0.0.1")
@@ -171,9 +179,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-if __name__ == "__main__":
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     token = os.environ.get("ASYNCRL_TOKEN") or sys.exit("set ASYNCRL_TOKEN (the learner uses the same one)")
+    EVENTS.take_stdout()  # from here on, anything but an event written to stdout goes to stderr
     for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
@@ -182,5 +191,9 @@ if __name__ == "__main__":
     # intra-op thread keeps torch's OpenMP pool from spinning against the event loop: on a busy 2-core
     # machine it stalled this service's routes for ~200 ms at every weight update.
     torch.set_num_threads(1)
-    asyncrl.run(main(args, token))
+    asyncrl.run(serve(args, token))
     emit("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,14 +12,26 @@ learning rate ramps up over ``--lr-warmup`` steps and decays linearly to 0 at th
 greedy answers flip from step to step at a constant rate, and the decay lets the last ones settle
 (``bench/cpu/demo_seeds.py`` measures the recipe over seeds).
 
-Rewards: the addition task scores exact matches. A ``--prompts`` file (JSONL or Parquet, ``prompt`` /
-``answer`` columns; verl's GSM8K parquet works) is scored by ``asyncrl.examples.common.answer_reward``: 1 when the
-stripped completion equals the answer, or, for numeric answers (GSM8K ``#### N``), when the last number in
-the completion equals it.
+Rewards: the addition task scores exact matches. A ``--prompts`` file (read by ``asyncrl.data.load_examples``:
+``prompt`` / ``answer`` columns, verl's GSM8K parquet, Hugging Face GSM8K, or ``--prompt-key`` / ``--answer-key``)
+is scored by ``asyncrl.data.answer_reward``: 1 when the stripped completion equals the answer, or, for numeric
+answers (GSM8K ``#### N``), when the last number in the completion equals it. ``--reward package.module:function``
+trains on your own reward instead.
 
 Writes into ``--out``: ``metrics.jsonl`` (one row per learner step), ``grpo_offpolicy.png``,
 ``summary.json``, ``base/`` (the warm-started model) and ``model/`` (the trained model and tokenizer,
 loadable by transformers and vLLM). Ctrl-C stops cleanly: the run is cancelled and the engine shut down.
+
+Sinks: ``metrics.jsonl`` always; TensorBoard with ``--tensorboard on`` (``auto``: if installed) and Weights & Biases
+with ``--wandb PROJECT`` (``--wandb-run-name``). One asked for and not installed is refused at once, naming the
+extra to install (``pip install 'asyncrl[tensorboard]'``, ``'asyncrl[wandb]'``).
+
+Checkpoints: ``--checkpoint-dir DIR --checkpoint-every K`` writes ``DIR/step-NNNNNN`` every K learner steps (the
+newest 3 kept); ``--resume latest`` (or a checkpoint directory) continues up to ``--steps`` in total. The step
+count, the prompt order (the cursor), the weights, the optimiser, the RNG states, the learning-rate schedule and
+the group books continue; groups that were queued or being generated when the checkpoint was taken are not
+replayed (they count as dropped, ``unused_at_shutdown``). ``metrics.jsonl`` keeps its rows up to the checkpoint's
+step. Without ``--model``, a resume in the same ``--out`` reuses ``base/`` (no warm start again).
 """
 
 from __future__ import annotations
@@ -43,14 +55,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     data = p.add_argument_group("data and model")
-    data.add_argument("--prompts", type=Path, help="JSONL or Parquet file with prompt/answer columns "
-                      "(default: the built-in addition task)")
+    data.add_argument("--prompts", type=Path, help="JSONL or Parquet file of problems: prompt/answer columns, "
+                      "verl's parquet or GSM8K's question/answer (default: the built-in addition task)")
+    data.add_argument("--prompt-key", help="prompts file: the prompt column, dotted for a nested field "
+                      "(unset: prompt, else question)")
+    data.add_argument("--answer-key", help="prompts file: the answer column, dotted for a nested field "
+                      "(unset: answer, else reward_model.ground_truth, else extra_info.answer)")
+    data.add_argument("--epochs", type=int, default=0,
+                      help="passes over the training problems, each in a new seeded order; 0 = without end. "
+                           "A finite run whose prompts run out before --steps stops with NoProgressError")
+    data.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                      help="auto: chat messages through the tokenizer's chat template, text as it is; on: text too "
+                           "(as one user message; needs --model with a template); off: never (messages joined)")
     data.add_argument("--model", type=Path, help="local HF model directory (skips building and warm start)")
     data.add_argument("--out", type=Path, default=Path("runs/grpo_offpolicy"), help="run directory")
     data.add_argument("--held-out", type=int, default=200, help="held-out problems for evaluation")
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--reward", choices=("exact", "digits"), default="exact",
-                      help="addition task: RL reward, exact match or partial credit per right digit "
+    data.add_argument("--reward", type=common.reward_spec, default="exact",
+                      help="RL reward: exact (exact match; for a prompts file numbers compare as GSM8K's last "
+                           "number), digits (addition task: partial credit per right digit), or "
+                           "package.module:function, a function (prompt, sample) -> float as asyncrl's RewardFn "
                            "(accuracy is always exact match)")
     data.add_argument("--reversed-answers", action=argparse.BooleanOptionalAction, default=False,
                       help="addition task: write the sum ones digit first (the order a carry flows)")
@@ -59,13 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _loss_args(p.add_argument_group("loss"))
     misc = p.add_argument_group("evaluation and output")
     misc.add_argument("--eval-every", type=int, default=50, help="held-out eval every K steps (0 = off)")
-    misc.add_argument("--tensorboard", choices=("auto", "on", "off"), default="auto")
+    tracking.add_sink_args(misc, tensorboard="auto")
     misc.add_argument("--torch-threads", type=int, default=1,
                       help="torch threads for warm start and learner (more threads thrash on a busy 2-core machine)")
     misc.add_argument("--kv-cache-gib", type=float, default=1.0)
     misc.add_argument("--no-progress", action="store_true")
     misc.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    tracking.add_checkpoint_args(p.add_argument_group("checkpoints"))
+    args = p.parse_args(argv)
+    tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
+    return args
 
 
 def _tiny_model_args(tiny: Any) -> None:
@@ -117,10 +144,7 @@ def _loss_args(loss: Any) -> None:
 
 
 def load_task(args: argparse.Namespace) -> common.Task:
-    if args.prompts is not None:
-        return common.load_prompts_file(args.prompts, n_held_out=args.held_out, seed=args.seed)
-    return common.arithmetic_task(n_held_out=args.held_out, seed=args.seed, reward=args.reward,
-                                  reversed_answers=args.reversed_answers)
+    return common.task_from_args(args)
 
 
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
@@ -128,6 +152,9 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
     if args.model is not None:
         return args.model, {}
     base = args.out / "base"
+    if args.resume and (base / "config.json").is_file():  # the checkpoint holds the weights: no warm start again
+        print(f"resuming: model config and tokenizer from {base}", flush=True)
+        return base, {}
     shutil.rmtree(base, ignore_errors=True)
     sft.build_char_model(base, task, args.hidden, args.layers, args.seed)
     cfg = sft.WarmStart(target=args.warm_target, max_steps=args.warm_max_steps, lr=args.warm_lr,
@@ -143,6 +170,7 @@ def pipeline_config(args: argparse.Namespace) -> Any:
 
     capacity = args.queue_capacity or common.queue_capacity(args.batch_groups, args.max_staleness)
     return asyncrl.PipelineConfig(
+        progress=False,  # the example prints its own progress bar
         producer=asyncrl.ProducerConfig(
             sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature),
             max_inflight_groups=args.max_inflight or args.batch_groups,
@@ -188,62 +216,71 @@ def load_policy(model_dir: Path, frozen: bool = False) -> Any:
 # ------------------------------------------------------------------------------------------------- run
 
 
-def build_pipeline(args: argparse.Namespace, config: Any, engine: Any, task: common.Task, tok: Any,
-                   model_dir: Path, monitor: Any) -> Any:
-    """GRPO on ``engine`` through ``asyncrl.recipes.grpo_pipeline``; the engine outlives the pipeline."""
-    from asyncrl.recipes import grpo_pipeline
-
-    return grpo_pipeline(
+async def build_pipeline(args: argparse.Namespace, config: Any, engine: Any, task: common.Task, tok: Any,
+                         model_dir: Path, monitor: Any, checkpoint: Any = None, checkpointer: Any = None) -> Any:
+    """GRPO on ``engine`` through ``asyncrl.recipes.grpo_pipeline``, or continued from ``checkpoint``
+    (``tracking.build_pipeline``); the engine outlives the pipeline."""
+    return await tracking.build_pipeline(
         engine, load_policy(model_dir), common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
-        config, loss_config=loss_config(args), pad_id=_pad_id(tok),
+        config, checkpoint=checkpoint, checkpointer=checkpointer, loss_config=loss_config(args), pad_id=_pad_id(tok),
         ref_model=load_policy(model_dir, frozen=True) if args.kl_coef > 0 else None, monitor=monitor,
         close_engine=False,  # closed in main(), after the final evaluation
     )
 
 
 async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> dict[str, Any]:
-    """Engine up -> accuracy before -> GRPO for ``args.steps`` -> accuracy after -> save. Always shuts down."""
+    """Engine up -> (resume) -> accuracy before -> GRPO up to step ``args.steps`` -> accuracy after -> save.
+    Always shuts down."""
     from transformers import AutoTokenizer
 
     common.cancel_on_sigterm()
 
     from asyncrl.engines.vllm_local import VLLMEngine
-    from asyncrl.metrics import make_monitor
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    (args.out / "metrics.jsonl").unlink(missing_ok=True)
-    monitor = make_monitor(args.out, tensorboard=args.tensorboard, config=_jsonable(vars(args)))
+    checkpoint = tracking.resume_point(args)
+    start = tracking.start_metrics(args.out, checkpoint)
+    monitor = tracking.open_monitor(args, _jsonable(vars(args)))
     common.announce_engine_start()
     t_engine = time.perf_counter()
     engine = await VLLMEngine.start(engine_config(args, task, tok, model_dir))
-    progress: tracking.ProgressHook | None = None
     try:
-        config = pipeline_config(args)
-        await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt), config.producer.sampling,
-                             args.batch_groups)
-        engine_s = time.perf_counter() - t_engine
-        evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
-        before = await evals.evaluate(0)
-        print(f"engine up in {engine_s:.0f}s; held-out greedy accuracy before RL: {before:.1%}", flush=True)
-        pipeline = build_pipeline(args, config, engine, task, tok, model_dir, monitor)
-        progress = tracking.ProgressHook(args.steps, disable=args.no_progress)
-        pipeline.learner.hooks += [evals, progress]
-        if args.lr_warmup or args.lr_decay:
-            pipeline.learner.hooks.append(tracking.lr_schedule(pipeline.learner.optimizer, args.lr_warmup,
-                                                             args.steps if args.lr_decay else 0))
-        stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
-        progress.close()
-        if pipeline.learner.step % args.sync_every:  # the last steps were not published yet
-            await pipeline.learner.publish()
-        after = await evals.evaluate(stats.steps)
+        async with tracking.open_checkpointer(args) as checkpointer:
+            config = pipeline_config(args)
+            await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt), config.producer.sampling,
+                                 args.batch_groups)
+            engine_s = time.perf_counter() - t_engine
+            print(f"engine up in {engine_s:.0f}s", flush=True)
+            pipeline = await build_pipeline(args, config, engine, task, tok, model_dir, monitor, checkpoint,
+                                            checkpointer)
+            result = await _train(args, engine, tok, task, pipeline, start)
     finally:
-        if progress is not None:
-            progress.close()
         monitor.close()
         await engine.close()
     _save(pipeline.learner.model, tok, args.out / "model")
-    return {"before": before, "after": after, "engine_start_s": engine_s, "eval_s": evals.seconds,
-            "stats": _stats_dict(stats)}
+    return {**result, "engine_start_s": engine_s, "start_step": start}
+
+
+async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.Task, pipeline: Any,
+                 start: int) -> dict[str, Any]:
+    """Accuracy before, GRPO up to step ``args.steps`` (with periodic evaluation), accuracy after."""
+    evals = tracking.EvalHook(engine, tok, task, args.max_tokens, args.eval_every)
+    before = await evals.evaluate(start)
+    print(f"held-out greedy accuracy before RL{f' (resumed at step {start})' if start else ''}: {before:.1%}",
+          flush=True)
+    progress = tracking.ProgressHook(args.steps, disable=args.no_progress, initial=start)
+    try:
+        pipeline.learner.hooks += [evals, progress]
+        if args.lr_warmup or args.lr_decay:
+            pipeline.learner.hooks.append(tracking.lr_schedule(pipeline.learner.optimizer, args.lr_warmup,
+                                                               args.steps if args.lr_decay else 0, start=start))
+        stats = await (pipeline.run_synchronous if args.synchronous else pipeline.run)(args.steps)
+    finally:
+        progress.close()
+    if pipeline.learner.step % args.sync_every:  # the last steps were not published yet
+        await pipeline.learner.publish()
+    after = await evals.evaluate(stats.steps)
+    return {"before": before, "after": after, "eval_s": evals.seconds, "stats": _stats_dict(stats)}
 
 
 def _pad_id(tok: Any) -> int:
@@ -277,7 +314,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows_for_plot = rows + [{"step": stats["steps"], "eval/accuracy": result["after"]}]
     plot = tracking.plot_run(rows_for_plot, args.out / "grpo_offpolicy.png", before=result["before"],
-                           title=f"GRPO, max staleness {args.max_staleness}, is_level {args.is_level}")
+                             title=f"GRPO, max staleness {args.max_staleness}, is_level {args.is_level}",
+                             start=result["start_step"])
     print(f"GRPO: {stats['steps']} steps, {stats['samples_trained']} samples in {stats['wall_s']:.0f}s "
           f"({stats['samples_per_s']:.0f} samples/s; train {stats['train_s']:.0f}s, sync {stats['sync_s']:.0f}s, "
           f"eval {result['eval_s']:.0f}s); dropped {stats['dropped']}; mean staleness {stale:.2f}")

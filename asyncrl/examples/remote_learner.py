@@ -13,14 +13,15 @@ Shutdown (the learner's side of the handshake in ``asyncrl.queues.ingest_server`
 or on SIGINT / SIGTERM, ``learner.run`` returns or raises only once its last publication has resumed the
 engine (or failed, with an error naming the call). Then the queue is closed, and the ingest server, as it
 stops, waits until the service's producer has heard "queue closed"; the producer stops, and the service
-closes its engine. Prints one JSON line per event on stdout (``ready``, ``step``, ``done``, ``stopped``).
+closes its engine. Prints one JSON line per event on stdout (``ready``, ``step``, ``done``, ``stopped``), and
+nothing else there: anything else written to stdout goes to stderr (``JsonEvents.take_stdout``).
+``asyncrl-remote-learner`` runs it too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -33,11 +34,15 @@ from asyncrl.actors.learner import Learner
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.engines.embedded import RemoteControlEngine
+from asyncrl.examples.entry import JsonEvents
 from asyncrl.queues.ingest_server import IngestServerConfig, RolloutIngestServer
 
 
+EVENTS = JsonEvents()  # this program's event stream (stdout, moved aside at start-up: ``main``)
+
+
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    EVENTS.emit(event, **fields)
 
 
 def build_learner(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync: WeightSync) -> Learner:
@@ -67,7 +72,7 @@ async def train(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync
          groups_received=ingest.counters["groups_stored"], samples_trained=learner.counters.samples_trained)
 
 
-async def main(args: argparse.Namespace, token: str) -> None:
+async def serve(args: argparse.Namespace, token: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     engine = await RemoteControlEngine.connect(args.service_url, token, args.model_dir, ready_timeout_s=args.wait_s)
     try:
@@ -88,7 +93,10 @@ async def main(args: argparse.Namespace, token: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=(
+        "environment: ASYNCRL_TOKEN (required) is the bearer token of this learner's ingest server and of the "
+        "service's engine control routes; the service (asyncrl-embedded-service) uses the same one. Events are "
+        "JSON lines on stdout; logs go to stderr."))
     p.add_argument("--model-dir", required=True, help="the same model the service's engine started from")
     p.add_argument("--service-url", required=True, help="the service hosting the engine control routes")
     p.add_argument("--host", default="127.0.0.1", help="ingest server interface")
@@ -102,13 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-if __name__ == "__main__":
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     token = os.environ.get("ASYNCRL_TOKEN") or sys.exit("set ASYNCRL_TOKEN (the service uses the same one)")
+    EVENTS.take_stdout()  # from here on, anything but an event written to stdout goes to stderr
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        asyncrl.run(main(args, token))
+        asyncrl.run(serve(args, token))
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
     emit("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,13 +17,14 @@ with it the held-out accuracy. Accuracy is measured greedily through the same ep
 The task, the calculator and the call format live in ``asyncrl/examples/calculator.py``.
 
 Writes into ``--out``: ``metrics.jsonl`` (one row per learner step, ``episode/*`` gauges included),
-``tool_use.png``, ``summary.json`` and ``base/`` (the warm-started model).
+``tool_use.png``, ``summary.json`` and ``base/`` (the warm-started model). ``--tensorboard`` and ``--wandb PROJECT``
+add sinks; ``--checkpoint-dir DIR --checkpoint-every K`` checkpoints and ``--resume latest`` continues a run, as in
+``grpo_offpolicy.py`` (``tracking.py`` holds both).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import logging
@@ -64,12 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--pause-mode", choices=("keep", "abort", "wait"), default="keep")
     p.add_argument("--eval-every", type=int, default=20, help="held-out eval every K steps (0 = off)")
-    p.add_argument("--tensorboard", choices=("auto", "on", "off"), default="off")
+    tracking.add_sink_args(p, tensorboard="off")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    tracking.add_checkpoint_args(p.add_argument_group("checkpoints"))
+    args = p.parse_args(argv)
+    tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
+    return args
 
 
 # ------------------------------------------------------------------------------------------ warm start
@@ -124,47 +128,6 @@ def warm_start(model_dir: Path, task: common.Task, steps: int, tool_frac: float,
 # ------------------------------------------------------------------------------------------ evaluation
 
 
-class GreedySampler:
-    """A ``Sampler`` decoding greedily on a ``VLLMEngine`` (``SamplingConfig`` refuses temperature 0), so the
-    evaluation runs through the same ``EpisodeRunner`` as training."""
-
-    def __init__(self, engine: Any, tok: Any) -> None:
-        self.engine, self.tok, self.name = engine, tok, f"{engine.name}-greedy"
-
-    version = property(lambda self: self.engine.version)
-    max_model_len = property(lambda self: self.engine.max_model_len)
-    vocab_size = property(lambda self: self.engine.vocab_size)
-
-    async def generate(self, prompt_ids: tuple[int, ...], params: Any, request_id: str, n: int | None = None) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        from asyncrl.types import FinishReason, Sample, VersionSpan
-
-        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, detokenize=False,
-                            stop_token_ids=list(params.stop_token_ids), output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.engine.llm.generate({"prompt_token_ids": list(prompt_ids)}, sp, request_id=request_id):
-            final = out.outputs[0]
-        ids = tuple(final.token_ids)
-        return [Sample(ids, (0.0,) * len(ids), FinishReason(final.finish_reason),
-                       (VersionSpan(self.version, 0, len(ids)),), self.tok.decode(ids, skip_special_tokens=True))]
-
-
-async def evaluate(engine: Any, tok: Any, task: common.Task, producer_config: Any, tag: str) -> dict[str, float]:
-    """Greedy held-out accuracy (``accuracy``) and the share of episodes that called the tool (``tool_rate``)."""
-    from asyncrl.episodes import EpisodeRunner
-
-    protocol = CalculatorProtocol(tok)
-    runner = EpisodeRunner(GreedySampler(engine, tok), protocol.env_factory(task.reward), producer_config)
-    prompts = [_prompt(tok, ex, f"{tag}-{i}") for i, ex in enumerate(task.held_out)]
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(runner.run(p, p.prompt_id)) for p in prompts]
-    episodes = [t.result() for t in tasks]
-    return {"accuracy": sum(e.env_reward for e in episodes) / len(episodes),
-            "tool_rate": sum(e.tool_calls > 0 for e in episodes) / len(episodes)}
-
-
 def _prompt(tok: Any, ex: common.Example, prompt_id: str) -> Any:
     from asyncrl import Prompt
 
@@ -172,23 +135,30 @@ def _prompt(tok: Any, ex: common.Example, prompt_id: str) -> Any:
 
 
 class EvalHook:
-    """Every ``every`` learner steps, greedy held-out accuracy and tool-call rate as ``eval/*`` metrics."""
+    """Greedy held-out accuracy and tool-call rate: every ``every`` learner steps as ``eval/accuracy`` and
+    ``eval/tool_rate`` (with the rest of the library ``Evaluator``'s ``eval/*``), and on demand (``evaluate``).
+    The ``Evaluator`` plays each held-out prompt as one greedy episode through the same episode runner as
+    training; the tool-call rate is the share of those episodes that called the calculator."""
 
     def __init__(self, engine: Any, tok: Any, task: common.Task, producer_config: Any, every: int) -> None:
-        self.engine, self.tok, self.task, self.cfg, self.every = engine, tok, task, producer_config, every
-        self.seconds = 0.0
-        self._count = itertools.count()
+        from asyncrl import Evaluator
+
+        prompts = [_prompt(tok, ex, f"held-out-{i}") for i, ex in enumerate(task.held_out)]
+        self.evaluator = Evaluator(engine, prompts, None, every=every, config=producer_config,
+                                   env=CalculatorProtocol(tok).env_factory(task.reward))
+
+    @property
+    def seconds(self) -> float:
+        return self.evaluator.seconds
 
     async def evaluate(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        result = await evaluate(self.engine, self.tok, self.task, self.cfg, f"eval{next(self._count)}")
-        self.seconds += time.perf_counter() - t0
-        return result
+        metrics = await self.evaluator.evaluate()
+        return {"accuracy": metrics["eval/accuracy"], "tool_rate": metrics["eval/episode/tool_call_rate"]}
 
     async def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if self.every > 0 and step % self.every == 0:
-            result = await self.evaluate()
-            metrics["eval/accuracy"], metrics["eval/tool_rate"] = result["accuracy"], result["tool_rate"]
+        await self.evaluator(step, metrics)
+        if "eval/accuracy" in metrics:  # evaluated at this step
+            metrics["eval/tool_rate"] = metrics["eval/episode/tool_call_rate"]
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -211,6 +181,7 @@ def pipeline_config(args: argparse.Namespace, tok: Any) -> Any:
     import asyncrl
 
     return asyncrl.PipelineConfig(
+        progress=False,  # the example prints its own progress bar
         producer=producer_config(args, tok),
         queue=asyncrl.QueueConfig(capacity=common.queue_capacity(args.batch_groups, args.max_staleness),
                                   max_staleness=args.max_staleness),
@@ -223,6 +194,9 @@ def pipeline_config(args: argparse.Namespace, tok: Any) -> Any:
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
     """A tiny character-level model with the tool tokens, warm-started in ``out/base``."""
     base = args.out / "base"
+    if args.resume and (base / "config.json").is_file():  # the checkpoint holds the weights: no warm start again
+        print(f"resuming: model config and tokenizer from {base}", flush=True)
+        return base, {}
     shutil.rmtree(base, ignore_errors=True)
     sft.build_char_model(base, task, args.hidden, args.layers, args.seed, added_tokens=TOOL_TOKENS)
     info = warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
@@ -233,41 +207,56 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
 
 
 async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> dict[str, Any]:
-    """Engine up -> evaluation before -> GRPO on episodes -> evaluation after. Always shuts the engine down."""
+    """Engine up -> (resume) -> evaluation before -> GRPO on episodes up to step ``args.steps`` -> evaluation
+    after. Always shuts the engine down."""
     from transformers import AutoTokenizer
 
-    from asyncrl.algorithms.losses import LossConfig
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
-    from asyncrl.metrics import make_monitor
-    from asyncrl.recipes import grpo_pipeline
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    (args.out / "metrics.jsonl").unlink(missing_ok=True)
-    monitor = make_monitor(args.out, tensorboard=args.tensorboard, config=_jsonable(vars(args)))
+    checkpoint = tracking.resume_point(args)
+    start = tracking.start_metrics(args.out, checkpoint)
+    monitor = tracking.open_monitor(args, _jsonable(vars(args)))
     config = pipeline_config(args, tok)
     engine = await VLLMEngine.start(VLLMEngineConfig(
         model=str(model_dir), dtype="float32", max_model_len=16 * (args.max_turns + 2), seed=args.seed,
         max_num_seqs=max(64, args.n * args.batch_groups), kv_cache_gib=args.kv_cache_gib))
-    progress = None
     try:
-        evals = EvalHook(engine, tok, task, config.producer, args.eval_every)
-        before = await evals.evaluate()
-        print(f"before RL: held-out greedy accuracy {before['accuracy']:.1%}, tool-call rate "
-              f"{before['tool_rate']:.1%}", flush=True)
-        prompts = (_prompt(tok, ex, f"train-{i}") for i, ex in _endless(task.train, args.seed))
-        pipeline = grpo_pipeline(engine, _load_policy(model_dir), prompts, None, config,
-                                 loss_config=LossConfig(), pad_id=tok.pad_token_id,
-                                 monitor=monitor, close_engine=False,
-                                 env=CalculatorProtocol(tok).env_factory(task.reward))
-        progress = tracking.ProgressHook(args.steps, desc="GRPO (tool use)", disable=args.no_progress)
-        pipeline.learner.hooks += [evals, progress]
-        stats = await pipeline.run(args.steps)
-        after = await evals.evaluate()
+        async with tracking.open_checkpointer(args) as checkpointer:
+            pipeline = await _build_pipeline(args, engine, tok, task, model_dir, config, monitor, checkpoint,
+                                             checkpointer)
+            result = await _train(args, engine, tok, task, config, pipeline, start)
     finally:
-        if progress is not None:
-            progress.close()
         monitor.close()
         await engine.close()
+    return {**result, "start_step": start}
+
+
+async def _build_pipeline(args: argparse.Namespace, engine: Any, tok: Any, task: common.Task, model_dir: Path,
+                          config: Any, monitor: Any, checkpoint: Any, checkpointer: Any) -> Any:
+    from asyncrl import PromptSource
+    from asyncrl.algorithms.losses import LossConfig
+
+    prompts = PromptSource(_prompt(tok, ex, f"train-{i}") for i, ex in _endless(task.train, args.seed))
+    return await tracking.build_pipeline(engine, _load_policy(model_dir), prompts, None, config,
+                                         checkpoint=checkpoint, checkpointer=checkpointer, loss_config=LossConfig(),
+                                         pad_id=tok.pad_token_id, monitor=monitor, close_engine=False,
+                                         env=CalculatorProtocol(tok).env_factory(task.reward))
+
+
+async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.Task, config: Any, pipeline: Any,
+                 start: int) -> dict[str, Any]:
+    evals = EvalHook(engine, tok, task, config.producer, args.eval_every)
+    before = await evals.evaluate()
+    print(f"before RL{f' (resumed at step {start})' if start else ''}: held-out greedy accuracy "
+          f"{before['accuracy']:.1%}, tool-call rate {before['tool_rate']:.1%}", flush=True)
+    progress = tracking.ProgressHook(args.steps, desc="GRPO (tool use)", disable=args.no_progress, initial=start)
+    try:
+        pipeline.learner.hooks += [evals, progress]
+        stats = await pipeline.run(args.steps)
+    finally:
+        progress.close()
+    after = await evals.evaluate()
     return {"before": before, "after": after, "eval_s": evals.seconds, "steps": stats.steps,
             "wall_s": stats.wall_s, "samples_trained": stats.samples_trained, "dropped": stats.dropped}
 
@@ -295,7 +284,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, before: dict[str, float], after: dict[str, float],
-         steps: int) -> Path:
+         steps: int, start: int = 0) -> Path:
     """Reward and accuracy, tool use, environment time and tool errors, staleness and sync, per step."""
     import matplotlib
 
@@ -303,7 +292,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, before: dict[str, float], a
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    evals = [(0, before)] + [(r["step"], {"accuracy": r["eval/accuracy"], "tool_rate": r["eval/tool_rate"]})
+    evals = [(start, before)] + [(r["step"], {"accuracy": r["eval/accuracy"], "tool_rate": r["eval/tool_rate"]})
                              for r in rows if "eval/accuracy" in r] + [(steps, after)]
     panels = [
         (axes[0, 0], {"train/reward_mean": "train reward (mean)"}, "accuracy", "held-out greedy accuracy",
@@ -339,7 +328,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
     rows = tracking.read_jsonl(args.out / "metrics.jsonl")
     summary = {**result, "warm_start": warm, "total_s": total_s, "args": _jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    png = plot(rows, args.out / "tool_use.png", result["before"], result["after"], result["steps"])
+    png = plot(rows, args.out / "tool_use.png", result["before"], result["after"], result["steps"],
+               result["start_step"])
     b, a = result["before"], result["after"]
     print(f"GRPO: {result['steps']} steps, {result['samples_trained']} episodes in {result['wall_s']:.0f}s; "
           f"dropped {result['dropped']}")

@@ -1,11 +1,11 @@
-"""Watching an example run: held-out accuracy with greedy decoding through a running ``VLLMEngine``
-(temperature 0 on its ``AsyncLLM``: ``SamplingConfig`` requires temperature > 0), the learner hooks (periodic
-evaluation as ``eval/accuracy``, a learning-rate schedule, a tqdm progress bar), and the run plot."""
+"""Watching and keeping an example run: held-out greedy accuracy (the library's ``asyncrl.Evaluator``, as a learner
+hook and before / after training), the metrics sinks (``--tensorboard``, ``--wandb``), checkpoints and resuming
+(``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``), a learning-rate schedule, a tqdm progress bar, and
+the run plot. ``grpo_offpolicy.py`` and ``tool_use.py`` share these, so one test covers each mechanism."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
+import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -15,71 +15,219 @@ from typing import Any
 from asyncrl.examples.common import Example, RewardFn, Task, encode_prompt
 
 
+def held_out_prompts(tok: Any, problems: Sequence[Example]) -> list[Any]:
+    """The held-out problems as ``asyncrl.Prompt`` (the answer rides along for the reward)."""
+    from asyncrl import Prompt
+
+    return [Prompt(f"held-out-{i}", tuple(encode_prompt(tok, ex.prompt)), ex.prompt if isinstance(ex.prompt, str)
+                   else "", ex.answer) for i, ex in enumerate(problems)]
+
+
+def text_reward(reward: RewardFn) -> Callable[[Any, Any], float]:
+    """A task reward ``(completion text, answer)`` as a library ``RewardFn`` ``(prompt, sample)``."""
+    return lambda prompt, sample: reward(sample.text, prompt.answer)
+
+
 async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Example], reward: RewardFn,
                                  max_tokens: int, batch: str = "eval") -> float:
-    """Held-out accuracy with greedy decoding (temperature 0) on ``engine``'s current weights.
+    """Held-out accuracy with greedy decoding on ``engine``'s current weights, beside any training requests
+    (nothing is paused). ``batch`` is kept for callers; request ids are unique per evaluation anyway."""
+    from asyncrl import Evaluator, SamplingConfig
+    from asyncrl.actors.evaluation import greedy
 
-    Runs beside training requests; nothing is paused. Goes through ``engine.llm`` (a ``VLLMEngine``'s
-    ``AsyncLLM``) because ``SamplingConfig`` refuses temperature 0.
-    """
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    async def one(i: int, ex: Example) -> float:
-        final = None
-        ids = list(encode_prompt(tok, ex.prompt))
-        async for out in engine.llm.generate({"prompt_token_ids": ids}, params, request_id=f"eval-{batch}-{i}"):
-            final = out
-        return reward(final.outputs[0].text, ex.answer) if final is not None else 0.0
-
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(one(i, ex)) for i, ex in enumerate(problems)]
-    return sum(t.result() for t in tasks) / max(1, len(problems))
+    evaluator = Evaluator(engine, held_out_prompts(tok, problems), text_reward(reward), every=0,
+                          sampling=greedy(SamplingConfig(max_tokens=max_tokens)))
+    return (await evaluator.evaluate())["eval/accuracy"]
 
 
 class EvalHook:
-    """Every ``every`` steps, measure held-out greedy accuracy on the engine and add it as ``eval/accuracy``.
+    """Every ``every`` steps, held-out greedy accuracy on the engine as ``eval/accuracy`` (with the rest of the
+    library ``Evaluator``'s ``eval/*``), and on demand (``evaluate``: before and after training).
 
     The learner waits for the evaluation (producers keep generating). ``seconds`` totals the time spent
-    here; ``points`` holds ``(step, accuracy, clock_s)`` where ``clock_s`` is the time since the hook was
-    created minus the evaluation time before it, i.e. the training wall time at which the weights were
-    measured.
+    evaluating; ``points`` holds ``(step, accuracy, clock_s)`` where ``clock_s`` is the time since the hook was
+    created minus the evaluation time before it, i.e. the training wall time at which the weights were measured.
     """
 
     def __init__(self, engine: Any, tok: Any, task: Task, max_tokens: int, every: int) -> None:
-        self.engine, self.tok, self.task, self.max_tokens, self.every = engine, tok, task, max_tokens, every
-        self.seconds = 0.0
+        from asyncrl import Evaluator, SamplingConfig
+        from asyncrl.actors.evaluation import greedy
+
+        self.evaluator = Evaluator(engine, held_out_prompts(tok, task.held_out), text_reward(task.reward),
+                                   every=every, sampling=greedy(SamplingConfig(max_tokens=max_tokens)))
         self.points: list[tuple[int, float, float]] = []
         self.t0 = time.perf_counter()
-        self._evals = itertools.count()  # request ids must differ between evaluations
+
+    @property
+    def seconds(self) -> float:
+        return self.evaluator.seconds
 
     async def evaluate(self, step: int) -> float:
-        t0 = time.perf_counter()
-        acc = await engine_greedy_accuracy(self.engine, self.tok, self.task.held_out, self.task.reward,
-                                           self.max_tokens, batch=f"eval{next(self._evals)}")
-        self.points.append((step, acc, t0 - self.t0 - self.seconds))
-        self.seconds += time.perf_counter() - t0
-        return acc
+        metrics: dict[str, float] = {}
+        await self._measure(step, metrics, self.evaluator.evaluate())
+        return metrics["eval/accuracy"]
 
     async def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        if self.every > 0 and step % self.every == 0:
-            metrics["eval/accuracy"] = await self.evaluate(step)
+        await self._measure(step, metrics, self.evaluator(step, metrics))
+
+    async def _measure(self, step: int, metrics: dict[str, float], evaluation: Any) -> None:
+        t0, spent, rounds = time.perf_counter(), self.seconds, self.evaluator.rounds
+        result = await evaluation
+        if result is not None:  # ``evaluate`` returns its metrics; the hook adds them itself
+            metrics.update(result)
+        if self.evaluator.rounds != rounds:
+            self.points.append((step, metrics["eval/accuracy"], t0 - self.t0 - spent))
 
 
-def lr_schedule(optimizer: Any, warmup: int = 0, decay_to: int = 0) -> Callable[[int, dict[str, float]], None]:
+# ------------------------------------------------------------------------------------------ metrics sinks
+
+
+def add_sink_args(group: Any, tensorboard: str = "auto") -> None:
+    """``--tensorboard`` and ``--wandb`` (with ``--wandb-run-name``); ``metrics.jsonl`` is always written."""
+    group.add_argument("--tensorboard", choices=("auto", "on", "off"), default=tensorboard,
+                       help="TensorBoard event files in OUT/tensorboard (auto: if installed; "
+                            "pip install 'asyncrl[tensorboard]')")
+    group.add_argument("--wandb", metavar="PROJECT", help="log to this Weights & Biases project "
+                                                          "(pip install 'asyncrl[wandb]')")
+    group.add_argument("--wandb-run-name", metavar="NAME", help="the W&B run's name (default: W&B picks one)")
+
+
+def open_monitor(args: argparse.Namespace, config: dict[str, Any]) -> Any:
+    """The run's monitor, and one line saying which sinks it writes to."""
+    from asyncrl.metrics import make_monitor
+
+    monitor = make_monitor(args.out, tensorboard=args.tensorboard, wandb="on" if args.wandb else "off",
+                           wandb_project=args.wandb or "asyncrl", wandb_run_name=args.wandb_run_name, config=config)
+    print(f"metrics: {sinks_line(args)}", flush=True)
+    return monitor
+
+
+def sinks_line(args: argparse.Namespace) -> str:
+    from asyncrl.metrics import optional_sinks
+
+    tensorboard, wandb = optional_sinks(args.tensorboard, "on" if args.wandb else "off")
+    parts = [str(args.out / "metrics.jsonl")]
+    if tensorboard:
+        parts.append(f"TensorBoard {args.out / 'tensorboard'}")
+    elif args.tensorboard == "auto":
+        parts.append("no TensorBoard (not installed: pip install 'asyncrl[tensorboard]')")
+    if wandb:
+        parts.append(f"W&B project {args.wandb}" + (f", run {args.wandb_run_name}" if args.wandb_run_name else ""))
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def add_checkpoint_args(group: Any) -> None:
+    group.add_argument("--checkpoint-dir", type=Path, help="write checkpoints step-NNNNNN here (and --resume latest "
+                                                           "reads them); the newest 3 are kept")
+    group.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                       help="checkpoint every K learner steps (0 = never; needs --checkpoint-dir)")
+    group.add_argument("--resume", metavar="DIR|latest",
+                       help="continue from a checkpoint: a step-NNNNNN directory, a directory holding them (its "
+                            "newest), or latest (the newest under --checkpoint-dir). --steps stays the total")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any slow start-up, flags that cannot work: a sink asked for whose package is missing, a
+    checkpoint interval without a directory, ``--resume`` with nothing to resume from."""
+    from asyncrl.metrics import optional_sinks
+
+    try:
+        optional_sinks(args.tensorboard, "on" if args.wandb else "off")
+    except RuntimeError as exc:
+        parser.error(str(exc))
+    if args.checkpoint_every < 0 or (args.checkpoint_every and args.checkpoint_dir is None):
+        parser.error("--checkpoint-every K needs K >= 0 and --checkpoint-dir")
+    if args.resume == "latest" and args.checkpoint_dir is None:
+        parser.error("--resume latest needs --checkpoint-dir")
+    if args.resume is not None:
+        try:
+            args.resume = str(resume_point(args).path)  # found now: the run records the exact checkpoint
+        except (OSError, RuntimeError, ValueError) as exc:
+            parser.error(f"--resume {args.resume}: {exc}")
+
+
+def resume_point(args: argparse.Namespace) -> Any:
+    """The checkpoint ``--resume`` names (None without it); raises ``CorruptCheckpoint`` or ``FileNotFoundError``."""
+    from asyncrl.checkpoint import latest, verify
+
+    if args.resume is None:
+        return None
+    path = Path(args.checkpoint_dir if args.resume == "latest" else args.resume)
+    if path.name.startswith("step-"):
+        return verify(path)
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint under {path}")
+    return found
+
+
+async def build_pipeline(engine: Any, model: Any, source: Any, reward_fn: Any, config: Any, *, checkpoint: Any,
+                         checkpointer: Any, **kwargs: Any) -> Any:
+    """``grpo_pipeline`` on ``source`` (a fresh ``PromptSource``), or, given ``checkpoint``, the pipeline continued
+    from it (``asyncrl.checkpoint.resume_pipeline``): the step count, the prompt cursor, the weights
+    (published to the engine), the optimiser state, the RNG states and the group books continue. Groups that were
+    queued or being generated when the checkpoint was taken are not replayed: they count as dropped
+    (``unused_at_shutdown``) and the prompts continue at the cursor. With ``checkpointer`` it checkpoints itself
+    every ``--checkpoint-every`` steps (``checkpointer``, made by ``open_checkpointer(args)``)."""
+    from asyncrl.checkpoint import checkpoint_hook, resume_pipeline
+    from asyncrl.recipes import grpo_pipeline
+
+    if checkpoint is None:
+        pipeline = grpo_pipeline(engine, model, source, reward_fn, config, **kwargs)
+        if checkpointer is not None:
+            pipeline.learner.hooks.append(checkpoint_hook(checkpointer, pipeline.learner, source))
+        return pipeline
+    # resume_pipeline positions the fresh source at the checkpoint's cursor (its epochs and seed kept).
+    pipeline, _ = await resume_pipeline(engine, model, source, reward_fn, config, checkpoint=checkpoint,
+                                        checkpointer=checkpointer, **kwargs)
+    print(f"resumed from {checkpoint.path}: step {checkpoint.step}, prompt cursor {checkpoint.meta['cursor']}, "
+          f"weights published as version {pipeline.learner.version}", flush=True)
+    return pipeline
+
+
+def open_checkpointer(args: argparse.Namespace) -> Any:
+    """A ``Checkpointer`` for ``--checkpoint-dir`` / ``--checkpoint-every`` (an ``async with`` block), or a
+    no-op context when checkpoints are off."""
+    import contextlib
+
+    if not args.checkpoint_every:
+        return contextlib.nullcontext()
+    from asyncrl.checkpoint import CheckpointConfig, Checkpointer
+
+    return Checkpointer(CheckpointConfig(dir=args.checkpoint_dir, every_steps=args.checkpoint_every))
+
+
+def start_metrics(out: Path, checkpoint: Any) -> int:
+    """Prepare ``out/metrics.jsonl`` and return the step the run starts from: a fresh run starts a new file; one
+    resumed from ``checkpoint`` keeps the rows up to its step (later ones are trained again) and appends."""
+    path = out / "metrics.jsonl"
+    if checkpoint is None:
+        path.unlink(missing_ok=True)
+        return 0
+    if path.exists():
+        rows = [r for r in read_jsonl(path) if r["step"] <= checkpoint.step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return checkpoint.step
+
+
+def lr_schedule(optimizer: Any, warmup: int = 0, decay_to: int = 0,
+                start: int = 0) -> Callable[[int, dict[str, float]], None]:
     """A learner hook shaping the learning rate: a linear ramp over the first ``warmup`` steps (Adam's first
     updates move every weight by about lr whatever the gradient, which can wreck a tiny policy at once), then,
     with ``decay_to`` > 0, a linear decay reaching 0 at step ``decay_to`` (a tiny policy's greedy answers flip
-    from one step to the next; a vanishing step lets the last ones settle)."""
+    from one step to the next; a vanishing step lets the last ones settle). ``start``: the learner's step when
+    the hook is made (a resumed run), so the schedule continues where it was."""
     from torch.optim.lr_scheduler import LambdaLR
 
     def factor(step: int) -> float:
         ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
         return ramp * (max(0.0, 1.0 - step / decay_to) if decay_to else 1.0)
 
-    schedule = LambdaLR(optimizer, factor)
+    # A restored optimiser keeps its ``initial_lr``, which LambdaLR scales from.
+    schedule = LambdaLR(optimizer, lambda step: factor(step + start))
     return lambda step, metrics: schedule.step()
 
 
@@ -87,10 +235,10 @@ class ProgressHook:
     """A tqdm bar over learner steps: reward, staleness, trained/generated length, the share of tokens whose importance
     weight was cut, queue depth, last sync time, last accuracy."""
 
-    def __init__(self, steps: int, desc: str = "GRPO", disable: bool = False) -> None:
+    def __init__(self, steps: int, desc: str = "GRPO", disable: bool = False, initial: int = 0) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=steps, desc=desc, unit="step", disable=disable, dynamic_ncols=True)
+        self.bar = tqdm(total=steps, initial=initial, desc=desc, unit="step", disable=disable, dynamic_ncols=True)
         self.last_acc: float | None = None
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
@@ -124,8 +272,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_run(rows: Sequence[dict[str, Any]], path: Path, before: float | None = None, title: str = "") -> Path:
-    """Reward and held-out accuracy, staleness, KL / entropy, and pause / sync times per learner step."""
+def plot_run(rows: Sequence[dict[str, Any]], path: Path, before: float | None = None, title: str = "",
+             start: int = 0) -> Path:
+    """Reward and held-out accuracy, staleness, KL / entropy, and pause / sync times per learner step; ``before``
+    is the accuracy at step ``start`` (0, or a resumed run's first step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +285,7 @@ def plot_run(rows: Sequence[dict[str, Any]], path: Path, before: float | None = 
     _series(axes[0, 0], rows, {"train/reward_mean": "train reward (mean)"}, smooth=10)
     acc = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     if before is not None:
-        acc.insert(0, (0, before))
+        acc = sorted([*acc, (start, before)])
     if acc:
         axes[0, 0].plot(*zip(*acc), "o-", color="C3", label="held-out greedy accuracy")
     axes[0, 0].set_ylim(0, 1.02)

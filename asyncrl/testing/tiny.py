@@ -37,6 +37,11 @@ def build_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
 
     ``added_tokens`` become single tokens that decode as their text (as a chat model's ``<tool_call>``).
     Returns the tokenizer's vocabulary size.
+
+    It knows only the corpus's characters, and encodes any other as ``<unk>``. Loaded from a model directory
+    (``build_model`` writes a Qwen2 config beside it), transformers 5 rebuilds it as its ``Qwen2Tokenizer``,
+    which has no unknown token and drops such characters instead; nothing saved here can change that without
+    a byte alphabet, which would grow the vocabulary. ``asyncrl.data.encode_prompts`` refuses both.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -86,6 +86,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
     b = args.batch_groups
     staleness = 0 if synchronous else args.max_staleness
     return asyncrl.PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=asyncrl.ProducerConfig(
             sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, ignore_eos=True),
             max_inflight_groups=b),

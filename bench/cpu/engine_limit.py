@@ -127,6 +127,7 @@ async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) 
 
     b = args.batch_groups
     config = asyncrl.PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=asyncrl.ProducerConfig(
             sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens, ignore_eos=True),
             max_inflight_groups=args.max_inflight),

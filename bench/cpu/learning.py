@@ -150,6 +150,7 @@ def pipeline_config(args: argparse.Namespace, s: Setting) -> Any:
 
     b = args.batch_groups
     return asyncrl.PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b),
         queue=asyncrl.QueueConfig(capacity=b if s.capacity == "batch" else ex.queue_capacity(b, s.max_staleness),

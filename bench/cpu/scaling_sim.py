@@ -187,6 +187,7 @@ async def ingest(args: argparse.Namespace, engines: list[ActorEngine]) -> dict[s
 
     sampling = SamplingConfig(n=args.group_size, max_tokens=args.max_tokens)
     config = PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=ProducerConfig(sampling=sampling, max_inflight_groups=2, sync_rewards=RewardExecution.INLINE),
         queue=QueueConfig(capacity=args.batch_groups * 2, max_staleness=1),
         learner=LearnerConfig(batch_groups=args.batch_groups), num_producers=args.producers)

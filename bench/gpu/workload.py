@@ -117,6 +117,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
 
     b = args.batch_groups
     return asyncrl.PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                         max_inflight_groups=b if synchronous else b * args.inflight_batches),
         queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness),

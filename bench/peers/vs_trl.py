@@ -175,6 +175,7 @@ def ours_config(args: argparse.Namespace, prof: dict[str, Any]) -> Any:
 
     b, n, t = prof["batch_groups"], prof["n"], prof["max_tokens"]
     return asyncrl.PipelineConfig(
+        progress=False,  # a benchmark's output stays its own
         producer=asyncrl.ProducerConfig(
             sampling=asyncrl.SamplingConfig(n=n, max_tokens=t, ignore_eos=prof["fixed_length"]),
             max_inflight_groups=b * args.inflight_batches),

@@ -94,6 +94,25 @@ def test_saved_model_loads_in_vllm_and_trains_again(runs) -> None:
     assert [r["step"] for r in rows] == [1, 2] and all("train/reward_mean" in r for r in rows)
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(480)
+def test_checkpoints_every_k_steps_and_a_resumed_run_continues_the_step_count(tmp_path: Path) -> None:
+    # One code path for both examples (tracking.build_pipeline); in-process engine cores start in seconds.
+    fast, ckpt = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--held-out", "4", "--eval-every", "0"]
+    run_example(tmp_path, "--steps", "4", *flags, env=fast)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004"]
+    resumed = run_example(tmp_path, "--steps", "6", "--resume", "latest", *flags, env=fast)
+    assert f"resumed from {ckpt / 'step-000004'}: step 4" in resumed.stdout
+    assert "resuming: model config and tokenizer from" in resumed.stdout, "no second warm start"
+    rows = tracking.read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[4]["learner/version"] == rows[3]["learner/version"] + 1  # weights published, then trained on
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004", "step-000006"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["start_step"] == 4 and summary["stats"]["steps"] == 6 and summary["stats"]["unaccounted"] == 0
+
+
 # ----------------------------------------------------------------------------------- fast, no engine
 
 

@@ -31,6 +31,8 @@ PROGRAM = textwrap.dedent('''
     from asyncrl.engines.vllm_remote import start_vllm_server  # noqa: F401  (the server helpers are exported)
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
     from asyncrl.metrics import JsonlSink, TensorBoardSink, WandbSink  # noqa: F401  (the sinks import)
+    from asyncrl.examples import (  # noqa: F401  (the examples ship in the wheel, behind its console scripts)
+        distributed_grpo, embedded_service, entry, grpo_offpolicy, remote_learner, sft, tool_use)
     from asyncrl.testing import build_tiny
     from asyncrl.testing.tasks import arithmetic
 
@@ -103,3 +105,6 @@ def test_the_wheel_runs_a_pipeline_with_no_source_checkout(tmp_path: Path) -> No
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-6000:]
     assert f"WHEEL-OK {site / 'asyncrl' / '__init__.py'} 2" in ran.stdout, ran.stdout[-3000:]
     assert (work / "metrics.jsonl").read_text().count("\n") >= 2
+    assert "step 2 | v 2 |" in ran.stderr, ran.stderr[-3000:]  # the progress line, on stderr
+    helped = _run([str(venv / "bin" / "asyncrl-remote-learner"), "--help"], work, env, 120)
+    assert helped.returncode == 0 and "ASYNCRL_TOKEN" in helped.stdout, helped.stdout + helped.stderr[-3000:]

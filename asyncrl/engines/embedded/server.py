@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "/asyncrl"
 RELEASE_TIMEOUT_S = 30.0  # default wait for a held pause to end before the engine is detached
+# Why the engine went, in its 503s: a learner reading them must not take a run that ended for a service going.
+FINISHED = ("the rollouts finished (their producer ended, e.g. the learner closed its queue); "
+            "the service keeps serving")
+STOPPING = "the service is shutting down its rollouts"
 
 Action = Callable[[Engine, web.Request], Awaitable[dict[str, Any]]]
 
@@ -92,6 +96,7 @@ class EngineControl:
         self._unpaused.set()
         self._prepared: WeightUpdate | None = None  # what ``prepare`` readied for the next load
         self._detaching = False  # a detach is waiting for the pause to end: no new pause may start
+        self._why_gone = STOPPING  # why the engine is being (or was) detached
         if engine is not None:
             self.attach(engine)
 
@@ -112,16 +117,16 @@ class EngineControl:
         self._engine = engine
         self._detaching = False
 
-    async def detach(self, release_timeout_s: float = RELEASE_TIMEOUT_S) -> Engine | None:
+    async def detach(self, release_timeout_s: float = RELEASE_TIMEOUT_S, why: str = STOPPING) -> Engine | None:
         """Take the engine out of control once no pause is held, and return it (None if none was attached).
 
         Waits up to ``release_timeout_s`` for a held pause to end (the learner resumes, or the lease expires);
         past that the service resumes the engine itself. Meanwhile a new pause is refused (503), and once
-        detached every call answers 503 "engine closed"."""
+        detached every call answers 503 "engine closed: {why}"."""
         engine = self._engine
         if engine is None:
             return None
-        self._detaching = True
+        self._detaching, self._why_gone = True, why
         if self.paused and release_timeout_s > 0:
             try:
                 await asyncio.wait_for(self._unpaused.wait(), release_timeout_s)
@@ -134,19 +139,25 @@ class EngineControl:
                 await self._resume_quietly(engine, "before detaching")
             self._release_prepared()
             self._engine = None
-            self._absent = "engine closed: the service is shutting down its rollouts"
+            self._absent = f"engine closed: {why}"
         await asyncio.gather(*self._leases, return_exceptions=True)  # cancelled above: their ends, awaited
         return engine
 
     @contextlib.asynccontextmanager
     async def serving(self, engine: Engine, release_timeout_s: float = RELEASE_TIMEOUT_S) -> AsyncIterator[Engine]:
         """Attach ``engine`` for the body; on the way out, however it ends, ``detach`` it (waiting for a held
-        pause to end first, even while being cancelled). The engine is the caller's to close afterwards."""
+        pause to end first, even while being cancelled). The engine is the caller's to close afterwards. The
+        503s that follow say how the body ended: finished, failed, or cancelled (the service stopping)."""
         self.attach(engine)
+        why = STOPPING
         try:
             yield engine
+            why = FINISHED
+        except Exception as exc:
+            why = f"the rollouts failed ({type(exc).__name__}); the service keeps serving"
+            raise
         finally:
-            await settle(self.detach(release_timeout_s), "detaching the engine from its control routes")
+            await settle(self.detach(release_timeout_s, why), "detaching the engine from its control routes")
 
     async def close(self) -> None:
         """Detach without waiting: a held pause is resumed now, a prepared update released. Idempotent."""
@@ -201,7 +212,7 @@ class EngineControl:
             raise bad_request("mode", f"must be one of {[m.value for m in PauseMode]}, got {body['mode']!r}") from None
         async with self._holding(engine):
             if self._detaching:  # the pause held now is the last one: the engine is about to go
-                raise HTTPError(503, "engine closing: the service is shutting down its rollouts")
+                raise HTTPError(503, f"engine closing: {self._why_gone}")
             await engine.pause(mode, body["clear_cache"])
             self._unpaused.clear()
             self._start_lease(engine)

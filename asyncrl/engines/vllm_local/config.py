@@ -11,11 +11,12 @@ mostly loads it) and captures a CUDA graph per batch size. What a user can skip,
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -71,6 +72,10 @@ class VLLMEngineConfig:
         "(the synchronous pipeline, ``VLLMEngine.sleep``): 1 copies the weights to host memory and frees them "
         "and the KV cache; 2 frees both and keeps nothing, so the engine can only wake with a full weight "
         "update. 0: off (vLLM's memory pool is then not used). On CPU sleeping only pauses the engine"))] = 0
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None, Field(description=(
+        "vLLM's log level, in this process (the 'vllm' logger) and in the processes it spawns (their "
+        "VLLM_LOGGING_LEVEL); its INFO lines are a hundred or so per start. None: vLLM's own setting. A "
+        "VLLM_LOGGING_LEVEL set in the environment wins over this"))] = "WARNING"
     extra: Annotated[dict[str, Any], Field(description=(
         "more AsyncEngineArgs fields, passed as is; a ``compilation_config`` dict is merged over the one that "
         "``torch_compile`` and ``cudagraph_capture_sizes`` make"))] = Field(default_factory=dict)
@@ -97,7 +102,17 @@ def engine_env(cfg: VLLMEngineConfig, environ: Mapping[str, str] = os.environ) -
     else:
         # The learner usually lives in this process and has touched CUDA already: forked workers can't.
         wanted = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if cfg.log_level is not None:  # read by the engine-core processes as they import vLLM
+        wanted["VLLM_LOGGING_LEVEL"] = cfg.log_level
     return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def set_vllm_log_level(cfg: VLLMEngineConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """Apply ``cfg.log_level`` to this process's 'vllm' logger (vLLM set it from VLLM_LOGGING_LEVEL when first
+    imported, before any config was seen), unless the user chose a level through that variable. The level of
+    a logger is process-wide: the last engine started sets it for all."""
+    if cfg.log_level is not None and "VLLM_LOGGING_LEVEL" not in environ:
+        logging.getLogger("vllm").setLevel(cfg.log_level)
 
 
 def whole_prompts_only() -> bool:

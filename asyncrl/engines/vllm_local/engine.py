@@ -28,11 +28,12 @@ from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, StagedInEngine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
 from asyncrl.engines.env import scoped_env
-from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env
+from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
 from asyncrl.engines.vllm_local.ipc import stage_in_engine
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
+    served_dtype,
     engine_core_sentinels,
     fail_requests,
     has_flat_logprobs,
@@ -85,6 +86,7 @@ class VLLMEngine(SleepMixin, Engine):
         nor any of vLLM's socket files."""
         check_model(cfg)
         args, env = engine_args(cfg), engine_env(cfg)
+        set_vllm_log_level(cfg)  # after engine_args: importing vLLM sets the level from the environment
         rpc_dir = make_rpc_dir()
         starting = asyncio.ensure_future(asyncio.to_thread(_start_llm, args, env, rpc_dir))
         try:
@@ -118,6 +120,10 @@ class VLLMEngine(SleepMixin, Engine):
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def serving_dtype(self) -> str:
+        return served_dtype(self._llm)
 
     @property
     def llm(self) -> Any:

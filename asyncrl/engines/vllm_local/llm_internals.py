@@ -104,6 +104,11 @@ def has_flat_logprobs() -> bool:
     return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
 
 
+def served_dtype(llm: Any) -> str:
+    """The dtype vLLM resolved for the model ("auto" becomes e.g. bfloat16 for a float32 checkpoint on CPU)."""
+    return str(llm.model_config.dtype).removeprefix("torch.")
+
+
 def dtype_from_name(name: str) -> Any:
     import torch
 

@@ -40,8 +40,9 @@ DEFAULT_ENV: Mapping[str, str] = {
     "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, weight-transfer endpoints
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it vLLM CPU takes most of the RAM
     "HF_HUB_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "WARNING",  # its INFO lines (a hundred per start) are noise in the server's log
 }
+USER_WINS = ("VLLM_LOGGING_LEVEL",)  # defaults this process's environment overrides
 
 # What torchrun (and torch elastic) tell their workers. A server started from a learner rank must not see
 # them: with TORCHELASTIC_USE_AGENT_STORE set, torch's tcp:// rendezvous connects to the given port as a client
@@ -58,7 +59,9 @@ def server_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | N
     inherits (a source checkout)."""
     inherited = {k: v for k, v in (os.environ if base is None else base).items()
                  if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIX)}
-    return {**inherited, **DEFAULT_ENV, **(env or {})}
+    # A log level the user set wins, as for the in-process engine (``VLLMEngineConfig.log_level``).
+    defaults = {k: v for k, v in DEFAULT_ENV.items() if k not in USER_WINS or k not in inherited}
+    return {**inherited, **defaults, **(env or {})}
 
 
 def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:

@@ -58,6 +58,7 @@ class Child:
     def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
         self.name, self.proc, self.log = name, proc, log
         self.events: list[dict[str, Any]] = []
+        self.stray: list[str] = []  # stdout lines that are not JSON events: a pipe reading stdout would choke
         self.tail: deque[str] = deque(maxlen=40)
         self._changed = asyncio.Condition()
         self._eof = False
@@ -78,8 +79,10 @@ class Child:
             line = raw.decode(errors="replace").rstrip()
             self.tail.append(line)
             async with self._changed:
-                if line.startswith('{"event"'):
+                try:
                     self.events.append(json.loads(line))
+                except ValueError:
+                    self.stray.append(line)
                 self._changed.notify_all()
         async with self._changed:
             self._eof = True
@@ -187,7 +190,9 @@ async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(
                                                                                  tmp_path: Path) -> None:
     ports = {name: free_port() for name in ("service", "ingest", "bare")}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-    env = {**os.environ, "ASYNCRL_TOKEN": secrets.token_urlsafe(16)}
+    # vLLM at INFO: its log (to stdout by default, in the service and in its engine-core processes) must still
+    # not reach the service's stdout, which carries only JSON events.
+    env = {**os.environ, "ASYNCRL_TOKEN": secrets.token_urlsafe(16), "VLLM_LOGGING_LEVEL": "INFO"}
     model = ["--model-dir", str(tiny_model_dir)]
     children: list[Child] = []
     try:
@@ -204,6 +209,10 @@ async def test_embedded_service_serves_its_routes_while_a_remote_learner_trains(
             await child.wait_for("listening", child.event("listening"), 90)
         figures = await measure_while_training(learner, service, url)
         figures["shutdown_s"] = await shut_down(learner, service, url)
+        for child in (learner, service):
+            assert child.stray == [], f"{child.name} wrote lines that are not JSON to stdout:\n" + "\n".join(
+                child.stray[:20])
+        assert "INFO" in service.log.read_text(errors="replace"), "vLLM's log should have gone to stderr"
         # Written under tmp_path, never into the repository; printed so a run can be copied into bench/results.
         result = tmp_path / "embedded_latency_cpu.json"
         result.write_text(json.dumps(figures, indent=2) + "\n")

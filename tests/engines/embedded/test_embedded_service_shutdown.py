@@ -89,6 +89,37 @@ async def test_detach_resumes_a_pause_the_learner_never_releases() -> None:
         assert await control.detach() is None  # idempotent
 
 
+async def _fail() -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("ending", "error"), [
+    ("finished", "engine closed: the rollouts finished (their producer ended, e.g. the learner closed its queue); "
+                 "the service keeps serving"),
+    ("failed", "engine closed: the rollouts failed (RuntimeError); the service keeps serving"),
+    ("stopped", "engine closed: the service is shutting down its rollouts"),
+])
+async def test_the_503_after_the_engine_went_says_how_the_rollouts_ended(ending: str, error: str) -> None:
+    """A late learner is told what happened: its run finished, the rollouts failed, or the service is stopping
+    (the message once said "shutting down" after a normal end, while the service went on serving)."""
+    engine = FakeEngine()
+    async with control_server(None) as (url, control):
+        body = {"finished": asyncio.sleep, "failed": _fail, "stopped": asyncio.Event().wait}[ending]
+        service = asyncio.create_task(rollouts(control, engine, lambda: body(0) if ending == "finished" else body()))
+        await asyncio.wait_for(_attached(control), WAIT_S)
+        if ending == "stopped":
+            service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
+        assert engine.closed and await call(url, "GET", "version") == (503, {"error": error})
+        assert await call(url, "GET", "health", token=None) == (503, {"error": error})
+
+
+async def _attached(control: EngineControl) -> None:
+    while control.engine is None:
+        await asyncio.sleep(0.01)
+
+
 class ZeroLoss(Loss):
     """A loss with a zero gradient: the test is about what crosses the wire, not about learning."""
 

@@ -22,3 +22,11 @@ def test_the_server_helpers_are_exported_by_the_package() -> None:
 
     assert (vllm_remote.start_vllm_server, vllm_remote.ServerProcess, vllm_remote.free_port) == (
         process.start_vllm_server, process.ServerProcess, process.free_port)
+
+
+def test_a_log_level_the_user_set_wins_over_the_servers_default() -> None:
+    assert server_env(base={})["VLLM_LOGGING_LEVEL"] == "WARNING"  # vLLM's INFO lines are a hundred per start
+    assert server_env(base={"VLLM_LOGGING_LEVEL": "DEBUG"})["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert server_env({"VLLM_LOGGING_LEVEL": "ERROR"}, base={"VLLM_LOGGING_LEVEL": "DEBUG"})[
+        "VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert server_env(base={"VLLM_CPU_KVCACHE_SPACE": "9"})["VLLM_CPU_KVCACHE_SPACE"] == "1"  # others: as before

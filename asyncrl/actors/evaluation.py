@@ -1,0 +1,158 @@
+"""Held-out evaluation during training: a learner hook that samples fixed prompts on the engine every ``every``
+steps, scores them with the reward function and adds ``eval/*`` gauges to that step's metrics (so every sink
+gets them)::
+
+    evaluator = Evaluator(engine, held_out, reward_fn, every=50, config=pipeline_config.producer)
+    pipeline.learner.hooks.append(evaluator)
+    before = await evaluator.evaluate()  # also callable by hand: before and after training
+
+An evaluation is a ``Producer`` with no queue behind it: the same reward machinery (a synchronous reward runs in
+worker threads, every call bounded by ``reward_timeout_s``), the same episodes when given ``env``, samples cut
+by an ``abort`` pause sampled again. Its requests run beside the producers' (nothing is paused), with request
+ids prefixed ``asyncrl-eval-<n>-`` (``n`` numbers evaluations in the process), which no producer uses.
+
+Sampling is greedy by default: ``GREEDY_TEMPERATURE``, below vLLM's threshold for argmax decoding
+(``SamplingConfig`` refuses 0), with the training config's length limit and stop ids; pass ``sampling`` for
+another temperature or several samples per prompt.
+
+When it runs: learner hooks run after the step's publication has landed (``SyncConfig(overlap=False)``, the
+default), so it measures the served weights; on a step that did not publish (``every`` not a multiple of
+``sync.every``) those are the last published ones; ``eval/version`` says which. With ``overlap=True`` the
+step's publication may still be in flight: evaluation requests wait in the paused engine as the producers' do
+(``keep``, ``wait``) or are cut and sampled again (``abort``), so nothing deadlocks, but one evaluation may
+span two versions.
+
+A reward that raises, times out or returns a non-number, or a prompt the engine refuses, stops the run with
+``InvalidGroupError`` naming the prompt and the step: a quietly lower accuracy would mislead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Iterable
+
+from asyncrl.actors.producer import Producer
+from asyncrl.actors.rewards import RewardFn
+from asyncrl.aio import first_cause
+from asyncrl.config import InvalidGroupPolicy, ProducerConfig, SamplingConfig
+from asyncrl.data import PromptSource
+from asyncrl.engines.protocols import Sampler
+from asyncrl.episodes.runner import episode_metrics
+from asyncrl.episodes.types import EnvFactory
+from asyncrl.errors import InvalidGroupError
+from asyncrl.types import Prompt, RolloutGroup, Sample
+
+__all__ = ["GREEDY_TEMPERATURE", "Evaluator", "greedy"]
+
+GREEDY_TEMPERATURE = 1e-6  # vLLM decodes greedily below 1e-5; SamplingConfig requires a temperature > 0
+REQUEST_PREFIX = "asyncrl-eval-"
+_EVALUATIONS = itertools.count(1)  # numbers every evaluation in this process: two evaluators never share an id
+
+
+def greedy(sampling: SamplingConfig | None = None) -> SamplingConfig:
+    """One greedy completion per prompt, with ``sampling``'s length limit and stop ids."""
+    s = sampling or SamplingConfig()
+    return SamplingConfig(n=1, max_tokens=s.max_tokens, temperature=GREEDY_TEMPERATURE,
+                          stop_token_ids=s.stop_token_ids)
+
+
+class Evaluator:
+    """A learner hook (``learner.hooks.append(evaluator)``) evaluating ``prompts`` every ``every`` steps (0: only
+    when ``evaluate`` is called).
+
+    ``config`` supplies the reward limits (``reward_timeout_s``, ``sync_rewards``, ``reward_threads``), the
+    episode limits and, unless ``sampling`` is given, the length limit and stop ids of the greedy sampling; pass
+    the pipeline's ``config.producer``. ``env``: each prompt is played as an episode, rewarded as a producer
+    rewards it (the environment's rewards plus ``reward_fn`` if given). ``concurrency``: prompts in flight.
+
+    Metrics: ``eval/accuracy`` and ``eval/reward_mean`` (the mean reward over all samples: the accuracy for a 0/1
+    reward), ``eval/samples``, ``eval/dropped`` (groups cut by abort pauses too often), ``eval/version`` (the
+    version served when it started), ``eval/s``; with ``env``, the round's ``eval/episode/*`` gauges.
+    """
+
+    def __init__(self, engine: Sampler, prompts: Iterable[Prompt], reward_fn: RewardFn | None, *, every: int,
+                 sampling: SamplingConfig | None = None, config: ProducerConfig | None = None,
+                 env: EnvFactory | None = None, concurrency: int = 256) -> None:
+        if every < 0 or concurrency < 1:
+            raise ValueError(f"Evaluator needs every >= 0 and concurrency >= 1, got {every} and {concurrency}")
+        if reward_fn is None and env is None:
+            raise ValueError("an Evaluator needs a reward_fn, an env whose steps give rewards, or both")
+        self.engine, self.reward_fn, self.env, self.every = engine, reward_fn, env, every
+        self.prompts = list(prompts)
+        if not self.prompts:
+            raise ValueError("an Evaluator needs at least one prompt")
+        base = config or ProducerConfig()
+        # FAIL: a broken reward or prompt stops the run instead of lowering the accuracy.
+        self.config = dataclasses.replace(base, sampling=sampling or greedy(base.sampling),
+                                          on_invalid=InvalidGroupPolicy.FAIL,
+                                          max_inflight_groups=min(concurrency, len(self.prompts)))
+        self.rounds = 0  # evaluations started
+        self.seconds = 0.0  # total time spent evaluating
+        self.groups: list[RolloutGroup] = []  # the last evaluation's scored groups, in finish order
+        self._lock = asyncio.Lock()  # one evaluation at a time (the groups, the totals)
+
+    async def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        if self.every and step % self.every == 0:
+            try:
+                metrics.update(await self.evaluate())
+            except InvalidGroupError as exc:
+                raise InvalidGroupError(f"evaluation after step {step}: {exc}") from exc
+
+    async def evaluate(self) -> dict[str, float]:
+        """Sample and score every prompt now, on the weights the engine serves; the ``eval/*`` metrics."""
+        async with self._lock:
+            self.rounds += 1
+            sink, number = _Collector(), next(_EVALUATIONS)
+            producer = Producer(_Tagged(self.engine, f"{REQUEST_PREFIX}{number}-"), PromptSource(self.prompts),
+                                self.reward_fn, sink, self.config, name=f"evaluation {number}", env=self.env)
+            version = self.engine.version
+            t0 = time.perf_counter()
+            try:
+                await producer.run()
+            except BaseExceptionGroup as group:  # the producer's task group: raise the error itself
+                raise first_cause(group) from group
+            finally:
+                self.seconds += time.perf_counter() - t0
+            self.groups = sink.groups
+            rewards = [r.reward for g in sink.groups for r in g.rollouts]
+            mean = math.fsum(rewards) / len(rewards) if rewards else math.nan
+            out = {"eval/accuracy": mean, "eval/reward_mean": mean, "eval/samples": len(rewards),
+                   "eval/dropped": sum(producer.counters.dropped.values()), "eval/version": version,
+                   "eval/s": time.perf_counter() - t0}
+            if producer.episodes is not None:
+                out.update({f"eval/{k}": v for k, v in episode_metrics([producer.episodes.counters]).items()})
+            return out
+
+
+class _Collector:
+    """The evaluation producer's sink: keeps the scored groups."""
+
+    def __init__(self) -> None:
+        self.groups: list[RolloutGroup] = []
+
+    async def send(self, group: RolloutGroup) -> bool:
+        self.groups.append(group)
+        return True
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _Tagged:
+    """The engine as a ``Sampler`` whose request ids carry the evaluation's prefix (vLLM refuses an id already
+    in flight, and the producers' ids are the prompts' own)."""
+
+    def __init__(self, engine: Sampler, prefix: str) -> None:
+        self.engine, self.prefix, self.name = engine, prefix, engine.name
+
+    version = property(lambda self: self.engine.version)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    vocab_size = property(lambda self: self.engine.vocab_size)
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        return await self.engine.generate(prompt_ids, params, self.prefix + request_id, n)
