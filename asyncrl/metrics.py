@@ -117,7 +117,8 @@ def progress_line(step: int, metrics: Mapping[str, float], rates: tuple[float, f
     parts = [f"step {step}"]
     for key, label, form in (("learner/version", "v", "{:.0f}"), ("groups/trained", "groups", "{:.0f}"),
                              ("train/reward_mean", "reward", "{:.3g}"),
-                             ("rollout/staleness_batch_mean", "staleness", "{:.2f}")):
+                             ("rollout/staleness_batch_mean", "staleness", "{:.2f}"),
+                             ("eval/accuracy", "eval", "{:.3f}")):
         if key in metrics:
             parts.append(f"{label} {form.format(float(metrics[key]))}")
     if rates is not None:

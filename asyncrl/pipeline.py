@@ -74,8 +74,8 @@ class Pipeline:
         if runners:  # turns, tool calls and environment time per learner step
             learner.hooks.append(EpisodeMetricsHook(runners))
         self.config = config or PipelineConfig()
-        if self.config.progress:  # after the hooks above: the line sees the metrics they add
-            learner.hooks.append(ProgressLine().log)
+        if self.config.progress:  # printed after every hook, those added later too: it sees what they add
+            learner.progress = ProgressLine()
         self.engine = engine
         self.producers = list(producers)
         self.receiver = learner.receiver

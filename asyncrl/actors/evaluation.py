@@ -9,7 +9,7 @@ gets them)::
 An evaluation is a ``Producer`` with no queue behind it: the same reward machinery (a synchronous reward runs in
 worker threads, every call bounded by ``reward_timeout_s``), the same episodes when given ``env``, samples cut
 by an ``abort`` pause sampled again. Its requests run beside the producers' (nothing is paused), with request
-ids prefixed ``asyncrl-eval-<n>-`` (``n`` numbers evaluations in the process), which no producer uses.
+ids prefixed ``asyncrl-eval-<evaluator>-<round>-``, which no producer uses.
 
 Sampling is greedy by default: ``GREEDY_TEMPERATURE``, below vLLM's threshold for argmax decoding
 (``SamplingConfig`` refuses 0), with the training config's length limit and stop ids; pass ``sampling`` for
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Iterable
@@ -50,7 +49,6 @@ __all__ = ["GREEDY_TEMPERATURE", "Evaluator", "greedy"]
 
 GREEDY_TEMPERATURE = 1e-6  # vLLM decodes greedily below 1e-5; SamplingConfig requires a temperature > 0
 REQUEST_PREFIX = "asyncrl-eval-"
-_EVALUATIONS = itertools.count(1)  # numbers every evaluation in this process: two evaluators never share an id
 
 
 def greedy(sampling: SamplingConfig | None = None) -> SamplingConfig:
@@ -106,7 +104,8 @@ class Evaluator:
         """Sample and score every prompt now, on the weights the engine serves; the ``eval/*`` metrics."""
         async with self._lock:
             self.rounds += 1
-            sink, number = _Collector(), next(_EVALUATIONS)
+            # This evaluator's identity and round: two evaluators (or rounds) never share a request id.
+            sink, number = _Collector(), f"{id(self):x}-{self.rounds}"
             producer = Producer(_Tagged(self.engine, f"{REQUEST_PREFIX}{number}-"), PromptSource(self.prompts),
                                 self.reward_fn, sink, self.config, name=f"evaluation {number}", env=self.env)
             version = self.engine.version
@@ -142,7 +141,7 @@ class _Collector:
         pass
 
 
-class _Tagged:
+class _Tagged(Sampler):
     """The engine as a ``Sampler`` whose request ids carry the evaluation's prefix (vLLM refuses an id already
     in flight, and the producers' ids are the prompts' own)."""
 

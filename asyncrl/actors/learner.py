@@ -81,6 +81,7 @@ class Learner:
         self.weight_sync = weight_sync
         self.config = config
         self.monitor = monitor or NullMonitor()
+        self.progress: Monitor | None = None  # a line per step for a person (PipelineConfig.progress), after the hooks
         self.step = step  # optimiser steps taken
         self.counters = LearnerCounters()
         # Its books, its queue's and (``books.include``) its producers': the totals it reports and checkpoints.
@@ -224,7 +225,7 @@ class Learner:
         return self.backend.train_step(batch, self.step)
 
     async def report(self, result: StepReport, extra: Mapping[str, float] | None = None) -> None:
-        """Add pipeline gauges to a step's metrics, run the hooks, and log to the monitor."""
+        """Add pipeline gauges to a step's metrics, run the hooks, log to the monitor, print the progress line."""
         metrics = dict(result.metrics)
         metrics.update(extra or {})
         metrics["learner/version"] = self.version
@@ -237,6 +238,8 @@ class Learner:
             if asyncio.iscoroutine(maybe):
                 await maybe
         self.monitor.log(result.step, metrics)
+        if self.progress is not None:
+            self.progress.log(result.step, metrics)
 
 
 def lower_thread_priority(nice: int) -> None:

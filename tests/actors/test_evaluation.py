@@ -61,7 +61,7 @@ async def test_metrics_every_k_steps_with_the_right_values():
     assert evaluator.rounds == 2 and len(evaluator.groups) == 10
     evals = [(rid, p) for rid, p in engine.calls if rid.startswith("asyncrl-eval-")]
     assert len(evals) == 20 and len({rid for rid, _ in evals}) == 20, "ids unique across evaluations"
-    assert len({rid.split("-")[2] for rid, _ in evals}) == 2  # the evaluation's number is in the id
+    assert len({rid.split("-")[3] for rid, _ in evals}) == 2  # the round is in the id (after the evaluator's)
     assert all(p.n == 1 and p.temperature == GREEDY_TEMPERATURE and p.max_tokens == 4 for _, p in evals)
     assert all(rid.startswith(("asyncrl-eval-", "p")) for rid, _ in engine.calls)  # producers': the prompts' ids
 

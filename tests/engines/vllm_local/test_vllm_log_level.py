@@ -72,6 +72,5 @@ def _start_and_close(model_dir: Path, tmp_path: Path, level: str | None) -> str:
 def test_an_engine_start_prints_no_info_lines_by_default(tiny_model_dir: Path, tmp_path: Path) -> None:
     quiet = _start_and_close(tiny_model_dir, tmp_path, None)
     assert [line for line in quiet.splitlines() if " INFO " in line] == []
-    loud = _start_and_close(tiny_model_dir, tmp_path, "INFO")  # the user asked for them
-    info = [line for line in loud.splitlines() if " INFO " in line]
-    assert len(info) > 10 and any("EngineCore" in line for line in info), loud[-3000:]
+    # The other side, a user's VLLM_LOGGING_LEVEL=INFO reaching every process (so this check can see INFO lines
+    # when there are any), is shown by the embedded service's test: its engine logs at INFO, on stderr.
