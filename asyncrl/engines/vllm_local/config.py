@@ -42,7 +42,9 @@ class VLLMEngineConfig:
 
     model: Annotated[PathStr, Field(description=(
         "local model directory (config.json, tokenizer and *.safetensors)"))]
-    dtype: Annotated[str, Field(description="weights dtype in the engine ('auto' = the checkpoint's)")] = "auto"
+    dtype: Annotated[str, Field(description=(
+        "weights dtype in the engine ('auto': vLLM's choice, which serves a float32 checkpoint in bfloat16; set "
+        "the learner's precision: grpo_pipeline refuses a mismatch)"))] = "auto"
     max_model_len: Annotated[PositiveInt, Field(description="prompt + completion tokens per sequence")] = 256
     max_num_seqs: Annotated[PositiveInt, Field(description="sequences scheduled at once")] = 64
     kv_cache_gib: Annotated[float, Field(strict=True, allow_inf_nan=False, description=(
