@@ -134,12 +134,21 @@ def task_from_args(args: argparse.Namespace) -> Task:
         raise SystemExit("--reward digits is for the addition task; a prompts file takes exact or module:function")
     else:
         task = load_prompts_file(args.prompts, args.held_out, args.seed, args.prompt_key, args.answer_key)
-    if args.chat_template == "on" and args.model is None:
-        raise SystemExit("--chat-template on needs --model with a chat template (the tiny model has none)")
+    if args.chat_template == "on" and not _has_chat_template(args.model):
+        raise SystemExit(f"--chat-template on needs --model with a chat template; "
+                         f"{args.model or 'the tiny model'} has none")
     if args.chat_template != "auto":
         task = replace(task, train=_as_chat(task.train, args.chat_template), held_out=_as_chat(task.held_out,
                                                                                                args.chat_template))
     return replace(task, rl_reward=load_reward(args.reward) if named else None, epochs=args.epochs or None)
+
+
+def _has_chat_template(model: Any) -> bool:
+    if model is None:
+        return False
+    from transformers import AutoTokenizer
+
+    return bool(AutoTokenizer.from_pretrained(str(model)).chat_template)
 
 
 def _as_chat(examples: list[Example], mode: str) -> list[Example]:

@@ -77,3 +77,20 @@ async def test_resume_latest_resolves_to_the_newest_checkpoint(tmp_path: Path):
     (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 7)))
     assert tracking.start_metrics(out, tracking.resume_point(args)) == 4
     assert [r["step"] for r in tracking.read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_data_flags_name_what_is_wrong(tmp_path: Path, tiny_model_dir: Path):
+    from asyncrl.examples import common
+
+    prompts = tmp_path / "gsm8k.jsonl"
+    prompts.write_text('{"question": "Tom has 2 apples and buys 3. How many?", "answer": "2+3=5 #### 5"}\n' * 10)
+    for flags, says in [(["--chat-template", "on"], "the tiny model has none"),
+                        (["--chat-template", "on", "--model", str(tiny_model_dir)], f"{tiny_model_dir} has none"),
+                        (["--prompts", str(prompts), "--reward", "digits"], "--reward digits is for the addition")]:
+        with pytest.raises(SystemExit, match=says):
+            common.task_from_args(grpo_offpolicy.parse_args(flags))
+    with pytest.raises(ValueError, match="no_such_module"):
+        common.task_from_args(grpo_offpolicy.parse_args(["--reward", "no_such_module:fn"]))
+    task = common.task_from_args(grpo_offpolicy.parse_args(["--prompts", str(prompts), "--held-out", "2",
+                                                            "--epochs", "3"]))
+    assert task.epochs == 3 and task.train[0].answer == "5"  # GSM8K's question/answer layout, "#### N" kept
