@@ -12,6 +12,7 @@ from asyncrl.actors.rewards import RewardFn
 from asyncrl.actors.training import TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
+from asyncrl.algorithms.reference import Reference
 from asyncrl.config import ConfigError, LearnerConfig, PipelineConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine, WeightTarget
@@ -27,7 +28,7 @@ from asyncrl.versions import VersionClock
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
                   PromptSource, reward_fn: RewardFn | None, config: PipelineConfig | None = None, *,
                   loss: Loss | None = None, loss_config: LossConfig | None = None, pad_id: int = 0,
-                  ref_model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                  ref_model: Reference | None = None, optimizer: torch.optim.Optimizer | None = None,
                   monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
                   env: EnvFactory | None = None, backend: TrainingBackend | None = None,
                   target: WeightTarget | None = None) -> Pipeline:
@@ -124,7 +125,11 @@ def learner_dtype(model: torch.nn.Module | None, config: LearnerConfig) -> str |
 
 
 def default_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
-    """AdamW at the learner's ``lr`` and ``weight_decay``; on a GPU its fused kernel, one launch per step for
-    all parameters rather than a handful per parameter group and operation."""
-    on_gpu = any(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)
+    """AdamW at the learner's ``lr`` and ``weight_decay`` over the parameters that require grad (all of them in
+    full fine-tuning; the adapter's alone with LoRA, so the frozen base holds no optimiser state); on a GPU its
+    fused kernel, one launch per step for all parameters rather than a handful per parameter group and operation."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameter that requires grad: nothing to train")
+    on_gpu = any(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)

@@ -40,6 +40,7 @@ from asyncrl.algorithms.corrections import (
     token_staleness,
 )
 from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.reference import Reference, reference_logprobs
 from asyncrl.algorithms.rows import to_device
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.config_base import Flag, NonNegativeFloat, config, require
@@ -300,7 +301,7 @@ class GRPOLoss(Loss):
     min_group_size = 2  # a single sample has no group baseline: its advantage is 0 and nothing is learned
 
     def __init__(self, cfg: LossConfig, *, sampling: SamplingConfig | None = None, pad_id: int = 0,
-                 ref_model: torch.nn.Module | None = None) -> None:
+                 ref_model: Reference | None = None) -> None:
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("LossConfig.kl_coef > 0 needs a ref_model")
         if sampling is None and cfg.length_norm == LengthNorm.DR_GRPO:
@@ -310,7 +311,7 @@ class GRPOLoss(Loss):
         # Scored at the temperature the engine sampled at; the sampling token budget is dr_grpo's denominator.
         self.sampling = sampling or SamplingConfig()
         self.pad_id = pad_id  # token id used for padding; any id inside the vocabulary works
-        self.ref_model = ref_model  # frozen reference for the KL term; scored without grad
+        self.ref_model = ref_model  # the KL term's frozen reference (``algorithms.reference``), scored without grad
 
     def compute(
         self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, proximal_logp: Tensor | None = None,
@@ -336,7 +337,7 @@ class GRPOLoss(Loss):
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
         staleness = to_device(token_staleness(rollouts, scored.mask.shape[1], policy_version), device)
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
-                                    self.cfg, ref_logp=self._ref_logprobs(prompts, completions),
+                                    self.cfg, ref_logp=self._ref_logprobs(model, prompts, completions),
                                     entropy=scored.entropy, staleness=staleness, max_tokens=self.sampling.max_tokens)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
         return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
@@ -358,12 +359,12 @@ class GRPOLoss(Loss):
         ]
         return torch.cat(per_group)
 
-    def _ref_logprobs(self, prompts: list[tuple[int, ...]], completions: list[tuple[int, ...]]) -> Tensor | None:
+    def _ref_logprobs(self, model: torch.nn.Module, prompts: list[tuple[int, ...]],
+                      completions: list[tuple[int, ...]]) -> Tensor | None:
         if self.ref_model is None:
             return None
-        with torch.no_grad():
-            return completion_logprobs(self.ref_model, prompts, completions,
-                                       temperature=self.sampling.temperature, pad_id=self.pad_id).logprobs
+        return reference_logprobs(self.ref_model, model, prompts, completions,
+                                  temperature=self.sampling.temperature, pad_id=self.pad_id)
 
 
 def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:

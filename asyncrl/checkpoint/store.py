@@ -1,7 +1,8 @@
 """The checkpoint store: format, write, verify, restore. It knows models, optimisers and a ``TrainingState``,
 never the actors (``checkpoint.resume`` wires it to a pipeline).
 
-A checkpoint is a directory ``<dir>/step-000123`` holding ``model.safetensors``, ``optimizer.pt``,
+A checkpoint is a directory ``<dir>/step-000123`` holding ``model.safetensors`` (a LoRA policy's:
+``adapter.safetensors``, the adapter alone, ``meta.json`` saying ``"weights": "adapter"``), ``optimizer.pt``,
 ``meta.json`` and, written last, a ``COMPLETE`` manifest with the sha256 of every other file. It is written
 into a temporary directory ``<dir>/.tmp-step-000123-*`` (files and directory fsynced) and renamed into
 place, so a process killed mid-write leaves a temporary directory that ``latest`` never returns. A
@@ -32,9 +33,9 @@ from pydantic import Field, field_validator
 from asyncrl.aio import settle
 from asyncrl.checkpoint.files import TMP_PREFIX, fsync_dir, move_into_place, sha256, write_file
 from asyncrl.checkpoint.rng import rng_state, set_rng_state
+from asyncrl.checkpoint.weights import ADAPTER_FILE, WEIGHTS_FILE, cpu_weights, load_weights
 from asyncrl.config_base import PositiveInt, config
 from asyncrl.counters import Drops, GroupTotals
-from asyncrl.engines.weights import WEIGHTS_FILE
 from asyncrl.types import DropReason
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class _Snapshot:
 
     step: int
     weights: dict[str, torch.Tensor]
+    weights_file: str  # WEIGHTS_FILE, or ADAPTER_FILE for a LoRA policy's adapter alone
     optimizer: dict[str, Any]
     meta: dict[str, Any]
     meta_json: str  # serialised on the event loop, so a bad ``extra`` fails the save call itself
@@ -210,7 +212,8 @@ class Checkpointer:
             from safetensors.torch import save_file
 
             sums = {
-                WEIGHTS_FILE: self._write_file(tmp / WEIGHTS_FILE, lambda p: save_file(snapshot.weights, str(p))),
+                snapshot.weights_file: self._write_file(tmp / snapshot.weights_file,
+                                                        lambda p: save_file(snapshot.weights, str(p))),
                 OPTIMIZER_FILE: self._write_file(tmp / OPTIMIZER_FILE, lambda p: torch.save(snapshot.optimizer, p)),
                 META_FILE: self._write_file(tmp / META_FILE, lambda p: p.write_text(snapshot.meta_json)),
             }
@@ -289,9 +292,11 @@ def _read_manifest(path: Path) -> dict[str, str]:
 
 
 def _check_files(path: Path, files: dict[str, str]) -> None:
-    for required in (WEIGHTS_FILE, OPTIMIZER_FILE, META_FILE):
+    for required in (OPTIMIZER_FILE, META_FILE):
         if required not in files:
             raise CorruptCheckpoint(f"manifest does not list {required}")
+    if WEIGHTS_FILE not in files and ADAPTER_FILE not in files:
+        raise CorruptCheckpoint(f"manifest lists neither {WEIGHTS_FILE} nor {ADAPTER_FILE}")
     for name, digest in files.items():
         file = path / name
         if not file.is_file():
@@ -302,15 +307,12 @@ def _check_files(path: Path, files: dict[str, str]) -> None:
 
 def restore(checkpoint: Checkpoint | str | Path, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer | None = None) -> ResumeState:
-    """Load weights (and optimiser state) in place, restore the RNG states, and return the run's position."""
-    from safetensors.torch import load_file
-
+    """Load weights (and optimiser state) in place, restore the RNG states, and return the run's position. A LoRA
+    checkpoint holds the adapter alone: ``model`` must be the same base wrapped by ``asyncrl.lora.apply_lora``
+    with the same ``LoraConfig``."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else verify(checkpoint)
     meta = ckpt.meta
-    tensors = load_file(str(ckpt.path / WEIGHTS_FILE))
-    for alias, target in meta.get("aliases", {}).items():
-        tensors[alias] = tensors[target]
-    model.load_state_dict(tensors, strict=True)
+    load_weights(ckpt.path, meta, model)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(ckpt.path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     set_rng_state(meta["rng"])
@@ -336,26 +338,9 @@ def state_meta(state: TrainingState) -> dict[str, Any]:
 def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState,
               meta_json: str) -> _Snapshot:
     """A consistent CPU copy of everything a checkpoint holds (worker thread; the model is not stepping)."""
-    weights, aliases = _cpu_state(model)
-    meta = json.loads(meta_json)
-    meta["aliases"] = aliases
-    return _Snapshot(state.step, weights, _clone_tree(optimizer.state_dict()), meta, json.dumps(meta))
-
-
-def _cpu_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """CPU copies of the state dict; tensors sharing storage (tied weights) are stored once."""
-    weights: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()))
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
-    return weights, aliases
+    weights, name, about = cpu_weights(model)
+    meta = {**json.loads(meta_json), **about}
+    return _Snapshot(state.step, weights, name, _clone_tree(optimizer.state_dict()), meta, json.dumps(meta))
 
 
 def _clone_tree(obj: Any) -> Any:

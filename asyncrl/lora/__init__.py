@@ -1,0 +1,12 @@
+"""LoRA training (PEFT, the ``asyncrl[lora]`` extra): the adapter's config (``config``) and the wrapped policy, its
+adapter tensors, the base model as the KL reference, and export (``model``). Publication of the adapter into
+vLLM is not built yet: see docs/ARCHITECTURE.md, "LoRA"."""
+
+from asyncrl.lora.config import DEFAULT_TARGETS, LoraConfig
+from asyncrl.lora.model import (
+    LoraReference, adapter_state, apply_lora, export_adapter, export_merged, is_lora, load_adapter_state,
+    merged_state, reference_context,
+)
+
+__all__ = ["DEFAULT_TARGETS", "LoraConfig", "LoraReference", "adapter_state", "apply_lora", "export_adapter",
+           "export_merged", "is_lora", "load_adapter_state", "merged_state", "reference_context"]
