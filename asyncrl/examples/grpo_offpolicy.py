@@ -37,7 +37,6 @@ step. Without ``--model``, a resume in the same ``--out`` reuses ``base/`` (no w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import shutil
@@ -341,11 +340,6 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(cli())
-    except KeyboardInterrupt:
-        print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
-        sys.exit(130)
-    except asyncio.CancelledError:  # SIGTERM (common.cancel_on_sigterm)
-        print("\nterminated: run cancelled, engine shut down", file=sys.stderr)
-        sys.exit(143)
+    from asyncrl.examples.entry import run_cli
+
+    sys.exit(run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do

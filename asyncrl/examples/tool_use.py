@@ -353,8 +353,6 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(cli())
-    except KeyboardInterrupt:
-        print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
-        sys.exit(130)
+    from asyncrl.examples.entry import run_cli
+
+    sys.exit(run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do
