@@ -1,5 +1,5 @@
-"""``docs/BENCHMARKS.md`` and the README's figure blocks, generated from the result files: figures are never
-typed by hand.
+"""``docs/BENCHMARKS.md`` and the figure blocks of README.md and docs/RESULTS.md, generated from the result
+files: figures are never typed by hand.
 
     python -m bench.report            # write docs/BENCHMARKS.md
     python -m bench.report --check    # exit 1 if either differs from what the files give
@@ -8,12 +8,12 @@ Every ``bench/results/*.json`` gets a section: what it measures, the command tha
 model, cores, GPU), the load average, the versions and the date, then its headline figures. ``make test``
 checks the document against the files (``tests/bench/test_benchmarks_doc.py``).
 
-By role: ``document`` lays out docs/BENCHMARKS.md, ``readme`` the README's figure blocks; one
+By role: ``document`` lays out docs/BENCHMARKS.md, ``readme`` the figure blocks; one
 section module per kind of result formats its files' figures (``learning``, ``pipeline``, ``peers``, ``scaling``,
 ``gpu``), with the helpers in ``format``; ``__main__`` writes or checks both.
 """
 
 from bench.report.document import DOC, render
-from bench.report.readme import README, render_readme
+from bench.report.readme import FIGURED, render_figures
 
-__all__ = ["DOC", "README", "render", "render_readme"]
+__all__ = ["DOC", "FIGURED", "render", "render_figures"]

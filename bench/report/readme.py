@@ -1,5 +1,5 @@
-"""The README's figure blocks (between ``<!-- figures:NAME:begin -->`` and ``end`` markers): the demo over
-seeds, tool use, and the headline figures."""
+"""The figure blocks (between ``<!-- figures:NAME:begin -->`` and ``end`` markers) of README.md (the demo over
+seeds) and docs/RESULTS.md (tool use, the headline figures, the staleness defaults)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from bench.report.gpu import compiled_kind
 from bench.report.learning import multi_seed
 
 README = common.ROOT / "README.md"
+RESULTS = common.ROOT / "docs" / "RESULTS.md"
 
 
 def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
@@ -170,13 +171,19 @@ def _gpu_books(w: dict[str, Any], source: str, trl: tuple[dict[str, Any], str] |
     return " ".join(parts)
 
 
-def render_readme(text: str, results_dir: Path = common.RESULTS) -> str:
-    for name, block in (("demo", demo_block(results_dir)), ("tool_use", tool_use_block(results_dir)),
-                        ("headline", headline_block(results_dir)), ("staleness", staleness_block(results_dir))):
+# Which document holds which blocks.
+FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness")}
+
+
+def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
+    """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
+    blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
+              "staleness": staleness_block}
+    for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)
         _, _, tail = rest.partition(end)
         if not rest:
-            raise ValueError(f"README.md has no {begin} marker")
-        text = f"{head}{begin}\n{block}\n{end}{tail}"
+            raise ValueError(f"{doc.name} has no {begin} marker")
+        text = f"{head}{begin}\n{blocks[name](results_dir)}\n{end}{tail}"
     return text

@@ -10,9 +10,10 @@ def test_the_benchmarks_document_matches_the_result_files():
     assert report.DOC.read_text() == report.render(), "docs/BENCHMARKS.md is stale: run python -m bench.report"
 
 
-def test_the_readme_figures_match_the_result_files():
-    text = report.README.read_text()
-    assert text == report.render_readme(text), "README.md's figures are stale: run python -m bench.report"
+def test_the_figure_blocks_match_the_result_files():
+    for doc in report.FIGURED:  # README.md and docs/RESULTS.md
+        text = doc.read_text()
+        assert text == report.render_figures(doc, text), f"{doc.name}'s figures are stale: run python -m bench.report"
 
 
 def test_the_gpu_headline_compares_with_trls_fastest_mode():
