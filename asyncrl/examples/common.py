@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl import data
 from asyncrl.data import (
     Example, PromptSource, answer_reward, encode_prompts, load_examples, load_reward, prompt_text, split_held_out,
 )
@@ -159,11 +158,6 @@ def _as_chat(examples: list[Example], mode: str) -> list[Example]:
                 for ex in examples]
     return [ex if isinstance(ex.prompt, str) else Example(prompt_text(ex.prompt, None, False), ex.answer)
             for ex in examples]
-
-
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> tuple[int, ...]:
-    """Token ids of a prompt (``asyncrl.data.encode_prompt``: chat template when it has one, lossless or refused)."""
-    return data.encode_prompt(prompt, tokenizer)
 
 
 def rl_prompts(task: Task, tokenizer: Any, seed: int) -> PromptSource:

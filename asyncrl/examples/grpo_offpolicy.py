@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.data import encode_prompt
 from asyncrl.examples import common, sft, tracking
 
 log = logging.getLogger("asyncrl.examples.grpo_offpolicy")
@@ -195,7 +196,7 @@ def loss_config(args: argparse.Namespace) -> Any:
 def engine_config(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path) -> Any:
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
-    longest = max(len(common.encode_prompt(tok, ex.prompt)) for ex in task.train + task.held_out)
+    longest = max(len(encode_prompt(ex.prompt, tok)) for ex in task.train + task.held_out)
     max_len = 16 * -(-(longest + args.max_tokens + 1) // 16)
     seqs = max(64, args.n * args.batch_groups * args.num_producers)
     return VLLMEngineConfig(model=str(model_dir), dtype="float32", max_model_len=max(64, max_len),
@@ -246,7 +247,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     try:
         async with tracking.open_checkpointer(args) as checkpointer:
             config = pipeline_config(args)
-            await common.warm_up(engine, common.encode_prompt(tok, task.train[0].prompt), config.producer.sampling,
+            await common.warm_up(engine, encode_prompt(task.train[0].prompt, tok), config.producer.sampling,
                                  args.batch_groups)
             engine_s = time.perf_counter() - t_engine
             print(f"engine up in {engine_s:.0f}s", flush=True)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.testing.tasks import arithmetic
-from asyncrl.examples.common import Example, RewardFn, Task, encode_prompt
+from asyncrl.data import encode_prompt
+from asyncrl.examples.common import Example, RewardFn, Task
 
 
 def tiny_spec(hidden: int = 128, layers: int = 2, vocab: int = 32, context: int = 256, seed: int = 0) -> Any:
@@ -88,7 +89,7 @@ def warm_start(model_dir: Path, task: Task, cfg: WarmStart, progress: bool = Tru
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    data = [(list(encode_prompt(tok, ex.prompt)), tok(ex.answer, add_special_tokens=False).input_ids
+    data = [(list(encode_prompt(ex.prompt, tok)), tok(ex.answer, add_special_tokens=False).input_ids
              + [tok.eos_token_id]) for ex in task.train]
     held_out = task.held_out[: cfg.eval_size]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -150,7 +151,7 @@ def hf_greedy_accuracy(model: Any, tok: Any, problems: Sequence[Example], reward
 
     by_len: dict[int, list[tuple[list[int], Example]]] = {}
     for ex in problems:
-        ids = list(encode_prompt(tok, ex.prompt))
+        ids = list(encode_prompt(ex.prompt, tok))
         by_len.setdefault(len(ids), []).append((ids, ex))
     correct = 0.0
     model.eval()

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.data import encode_prompt
 from asyncrl.examples import common, sft, tracking
 from asyncrl.examples.calculator import (CALL, END_CALL, END_RES, RES, TOOL_TOKENS, CalculatorProtocol,
                                  multiplication_task)
@@ -83,7 +84,7 @@ def demonstration(tok: Any, ex: common.Example, use_tool: bool) -> tuple[list[in
     """Token ids of one solved episode and its labels (-100 on the prompt and on environment tokens)."""
     a, b = ex.prompt.rstrip("=").split("*")
     segments = [(f"{CALL}{a}*{b}{END_CALL}", True), (f"{RES}{ex.answer}{END_RES}", False)] if use_tool else []
-    ids = list(common.encode_prompt(tok, ex.prompt))
+    ids = list(encode_prompt(ex.prompt, tok))
     labels = [-100] * len(ids)
     for text, trained in [*segments, (ex.answer, True)]:
         seg = tok(text, add_special_tokens=False).input_ids
@@ -131,7 +132,7 @@ def warm_start(model_dir: Path, task: common.Task, steps: int, tool_frac: float,
 def _prompt(tok: Any, ex: common.Example, prompt_id: str) -> Any:
     from asyncrl import Prompt
 
-    return Prompt(prompt_id, common.encode_prompt(tok, ex.prompt), str(ex.prompt), ex.answer)
+    return Prompt(prompt_id, encode_prompt(ex.prompt, tok), str(ex.prompt), ex.answer)
 
 
 class EvalHook:

@@ -12,14 +12,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.examples.common import Example, RewardFn, Task, encode_prompt
+from asyncrl.data import encode_prompt
+from asyncrl.examples.common import Example, RewardFn, Task
 
 
 def held_out_prompts(tok: Any, problems: Sequence[Example]) -> list[Any]:
     """The held-out problems as ``asyncrl.Prompt`` (the answer rides along for the reward)."""
     from asyncrl import Prompt
 
-    return [Prompt(f"held-out-{i}", tuple(encode_prompt(tok, ex.prompt)), ex.prompt if isinstance(ex.prompt, str)
+    return [Prompt(f"held-out-{i}", tuple(encode_prompt(ex.prompt, tok)), ex.prompt if isinstance(ex.prompt, str)
                    else "", ex.answer) for i, ex in enumerate(problems)]
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from asyncrl.data import encode_prompt
 from asyncrl.examples import common as ex
 from asyncrl.examples import sft, tracking
 
@@ -222,7 +223,7 @@ async def run_all(args: argparse.Namespace, bases: dict[int, tuple[ex.Task, Path
     runs: dict[str, dict[int, Any]] = {}
     befores: dict[int, float] = {}
     try:
-        await ex.warm_up(engine, ex.encode_prompt(tok, bases[args.seeds[0]][0].train[0].prompt),
+        await ex.warm_up(engine, encode_prompt(bases[args.seeds[0]][0].train[0].prompt, tok),
                          pipeline_config(args, SETTINGS[0]).producer.sampling, args.batch_groups)
         for seed in args.seeds:
             task, base = bases[seed]

@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.data import encode_prompt
+
 from bench import common
 from bench.peers import trl_side
 
@@ -246,7 +248,7 @@ def run_profile(args: argparse.Namespace, name: str, ex: Any) -> dict[str, Any]:
     random.Random(args.seed).shuffle(order)
     # Ours starts with the prompts TRL trains on, in the same order; more follow in case groups are dropped as too
     # stale (the learner stops after ``steps`` steps either way, so both sides train on the same number of samples).
-    prompts = [asyncrl.Prompt(f"train-{i}", ex.encode_prompt(tok, e.prompt), e.prompt, e.answer)
+    prompts = [asyncrl.Prompt(f"train-{i}", encode_prompt(e.prompt, tok), e.prompt, e.answer)
                for i, e in enumerate(order)]
     params = common.param_count(model_dir)
     print(f"[{name}] {params / 1e6:.1f}M params, {steps} steps x {prof['batch_groups']} prompts x {prof['n']} "
