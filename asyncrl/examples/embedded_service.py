@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     token = os.environ.get("ASYNCRL_TOKEN") or sys.exit("set ASYNCRL_TOKEN (the learner uses the same one)")
     EVENTS.take_stdout()  # from here on, anything but an event written to stdout goes to stderr
-    for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-                       "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    # vLLM's log level is the engine config's (VLLMEngineConfig.log_level; a VLLM_LOGGING_LEVEL set here wins).
+    for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # This process does no tensor math worth parallelising (vLLM computes in its own worker processes). One

@@ -111,8 +111,9 @@ async def test_cancellation_propagates_and_leaves_no_request_running():
     assert pipe.learner.step == 1 and engine.closed
     # Straight on the evaluator too: the caller's cancellation is raised, not swallowed into an error or a result.
     evaluator = Evaluator(FakeEngine(), HELD_OUT, hanging, every=1)
+    entered.clear()
     task = asyncio.create_task(evaluator.evaluate())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(entered.wait(), 10)  # inside its reward: cancelled mid-evaluation
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -122,7 +123,12 @@ async def test_waits_out_a_pause_instead_of_deadlocking():
     engine = FakeEngine()
     await engine.pause(PauseMode.KEEP, clear_cache=False)
     evaluation = asyncio.create_task(Evaluator(engine, HELD_OUT, even_answer, every=1).evaluate())
-    await asyncio.sleep(0.05)
+
+    async def all_requests_waiting() -> None:
+        while engine.requests < len(HELD_OUT):  # counted on arrival, before the paused engine holds them
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(all_requests_waiting(), 10)
     assert not evaluation.done(), "requests wait in the paused engine"
     await engine.resume()
     assert (await asyncio.wait_for(evaluation, 10))["eval/samples"] == 10
