@@ -150,6 +150,13 @@ class SyncConfig:
         "publish in the background while the next step trains (from a snapshot of the weights, one extra "
         "copy); the learner waits only if the previous publication is still running when the next one is "
         "due"))] = False
+    probe_tolerance: Annotated[float | None, Field(strict=True, gt=0, description=(
+        "after each publication, score one trained sequence on the target and with the learner's published "
+        "weights; a largest per-token log-prob difference above this fails the run (``actors.probe``): an engine "
+        "that kept other weights, or an adapter that never reached it, is caught at once. ~1e-3 where both "
+        "compute in float32, a few hundredths in bfloat16. None: no probe"))] = None
+    probe_tokens: Annotated[PositiveInt, Field(description=(
+        "longest probe sequence (the first prompt and completion of the last batch, cut to this)"))] = 64
 
 
 @config

@@ -41,7 +41,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
 
     With ``backend`` (e.g. ``asyncrl.distributed.FSDPBackend``) the learner trains through it, and ``model``,
     the loss arguments and ``optimizer`` must be left out: the backend owns them. ``target`` is what
-    publications go to (default: ``engine``; e.g. a ``PrestagedTarget`` in front of an ``EnginePool``).
+    publications go to (default: ``engine``).
     """
     config = config or PipelineConfig()
     if backend is not None:

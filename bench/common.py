@@ -229,6 +229,27 @@ def learner_device() -> str:
     return "cuda" if on_gpu() else "cpu"
 
 
+class LearnerMemory:
+    """The peak GPU memory this process's torch allocated inside the block (the learner's: the engine lives in its
+    own processes), in GiB; 0 on CPU."""
+
+    def __init__(self) -> None:
+        self.peak_gib = 0.0
+
+    def __enter__(self) -> LearnerMemory:
+        if on_gpu():
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if on_gpu():
+            import torch
+
+            self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+
+
 def load_learner(model_dir: Path, dtype: str | None = None) -> Any:
     """The training copy of a model: float32 on CPU, bfloat16 on GPU unless ``dtype`` says otherwise."""
     import torch

@@ -17,6 +17,7 @@ import asyncrl.algorithms.losses
 import asyncrl.checkpoint.store
 import asyncrl.distributed.ranks
 import asyncrl.engines.pool
+import asyncrl.engines.transports.adapters
 import asyncrl.engines.vllm_local.config
 import asyncrl.engines.vllm_remote.config
 import asyncrl.engines.vllm_remote.nccl
@@ -42,6 +43,7 @@ BAD: dict[str, tuple[dict[str, object], str]] = {
     "PipelineConfig": ({"shutdown_timeout_s": 0}, "shutdown_timeout_s"),
     "LossConfig": ({"length_norm": "mean"}, "length_norm"),
     "LoraConfig": ({"rank": 0}, "rank"),
+    "LoraServingConfig": ({"max_rank": 4}, "max_rank"),
     "VLLMEngineConfig": ({"model": "m", "weight_transfer": "pigeon"}, "weight_transfer"),
     "RemoteEngineConfig": ({"base_url": "http://h:1", "model": "m", "model_dir": "d", "health_failures": 0},
                            "health_failures"),
@@ -61,7 +63,7 @@ REQUIRED: dict[str, dict[str, object]] = {  # the fields without defaults, for b
 }
 MODULES = (asyncrl.algorithms.losses, asyncrl.checkpoint.store, asyncrl.distributed.ranks, asyncrl.engines.pool,
            asyncrl.engines.vllm_local.config, asyncrl.engines.vllm_remote.config, asyncrl.engines.vllm_remote.nccl,
-           asyncrl.launch.layout, asyncrl.lora.config,
+           asyncrl.engines.transports.adapters, asyncrl.launch.layout, asyncrl.lora.config,
            asyncrl.queues.ingest_server)  # imported so every class is registered
 
 

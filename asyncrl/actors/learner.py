@@ -23,11 +23,13 @@ from typing import TypeVar
 
 import torch
 
+from asyncrl.actors.probe import Expectation, PublicationProbe
 from asyncrl.actors.training import LocalBackend, TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.counters import Books, Drops, GroupTotals
+from asyncrl.engines.updates import WeightSource
 from asyncrl.errors import EndOfRollouts, NoProgressError
 from asyncrl.metrics import Monitor, NullMonitor
 from asyncrl.queues.lengths import trained_gauges
@@ -88,7 +90,10 @@ class Learner:
         self.books = Books(receiver.counters, self.counters)
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
-        self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
+        self._publishing: asyncio.Future[SyncTiming] | None = None  # background publication (sync.overlap)
+        sync = weight_sync.config
+        self.probe = None if sync.probe_tolerance is None else PublicationProbe(
+            weight_sync.target, sync.probe_tolerance, sync.probe_tokens)
         # The training thread, made on first use; ``close`` lets it go (the pipeline does, as it shuts down).
         self._thread: ThreadPoolExecutor | None = None
 
@@ -157,6 +162,8 @@ class Learner:
         """One optimiser step on ``batch``, then a publication if this step is a sync step. ``trim``: hand the
         device memory the step left cached back first (the target sleeps, and the publication wakes it)."""
         staleness = [g.staleness(self.policy_version) for g in batch]
+        if self.probe is not None:
+            self.probe.remember(batch)
         t0 = time.perf_counter()
         try:
             metrics = await self._in_thread(self._train_step, batch)
@@ -182,13 +189,34 @@ class Learner:
         return StepReport(self.step, metrics, train_s, timing)
 
     async def publish(self, version: int | None = None) -> SyncTiming:
-        """Publish the current weights (as ``version``, default the next one) and wait until they are served."""
+        """Publish the current weights (as ``version``, default the next one) and wait until they are served
+        (and, with ``SyncConfig.probe_tolerance``, checked: ``PublicationMismatch`` otherwise)."""
         await self.flush()
-        tensors = await self._in_thread(self.backend.publication_state)
+        source, expected = await self._in_thread(self._taken, self.backend.publication_state)
         try:
-            return await self.weight_sync.publish(tensors, version)
+            timing = await self.weight_sync.publish(source, version)
         finally:
-            self.backend.release(tensors)
+            self.backend.release(source)
+        await self._probed(timing.version, expected)
+        return timing
+
+    def _taken(self, take: Callable[[], WeightSource]) -> tuple[WeightSource, Expectation | None]:
+        """In the training thread: the weights to publish, and the probe's expectation of exactly them."""
+        source = take()
+        try:
+            return source, None if self.probe is None else self.probe.expect(self.backend.score)
+        except BaseException:
+            self.backend.release(source)
+            raise
+
+    async def _probed(self, version: int, expected: Expectation | None) -> None:
+        if self.probe is not None:
+            await self.probe.check(version, expected)
+
+    async def _checked(self, publication: asyncio.Task[SyncTiming], expected: Expectation | None) -> SyncTiming:
+        timing = await publication
+        await self._probed(timing.version, expected)
+        return timing
 
     async def flush(self) -> SyncTiming | None:
         """Wait for the background publication, if any; returns its timing (raises its error)."""
@@ -199,13 +227,14 @@ class Learner:
         # At most one publication in flight. The next optimiser step changes the parameters in place, so
         # the publication gets a snapshot. Returns the timing of the publication that finished meanwhile.
         previous = await self.flush()
-        snapshot = await self._in_thread(self.backend.snapshot)  # a copy of every weight: off the event loop
+        snapshot, expected = await self._in_thread(self._taken, self.backend.snapshot)  # a copy: off the loop
         try:
-            self._publishing = self.weight_sync.start(snapshot)
+            started = self.weight_sync.start(snapshot)
         except BaseException:
             self.backend.release(snapshot)
             raise
-        self._publishing.add_done_callback(lambda _: self.backend.release(snapshot))
+        started.add_done_callback(lambda _: self.backend.release(snapshot))
+        self._publishing = asyncio.ensure_future(self._checked(started, expected))
         return previous
 
     async def close(self) -> None:
@@ -233,6 +262,7 @@ class Learner:
         metrics.update(self.receiver.metrics())
         metrics.update(self.totals().metrics())
         metrics.update(self.weight_sync.metrics())
+        metrics.update(self.probe.metrics() if self.probe is not None else {})
         for hook in self.hooks:
             maybe = hook(result.step, metrics)
             if asyncio.iscoroutine(maybe):

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from asyncrl.actors.probe import policy_logprobs
 from asyncrl.algorithms import varlen
 from asyncrl.algorithms.head import compiled_head
 from asyncrl.algorithms.losses import Loss
 from asyncrl.algorithms.rows import packed_scoring
 from asyncrl.config import ConfigError, LearnerConfig
-from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.engines.updates import AdapterWeights, InMemory, WeightSource, model_source
 from asyncrl.types import RolloutGroup
 
 __all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
@@ -43,17 +44,23 @@ class TrainingBackend(Protocol):
         Returns the step's ``loss/*`` and ``train/*`` gauges."""
         ...
 
-    def publication_state(self) -> Mapping[str, torch.Tensor]:
-        """The full, checkpoint-format weights to publish (no tied duplicates). May share storage with the live
-        parameters: the learner does not step until the publication that reads them is done."""
+    def publication_state(self) -> WeightSource:
+        """What to publish: every weight in checkpoint format (no tied duplicates), or the adapter alone for a
+        policy trained through LoRA. May share storage with the live parameters: the learner does not step until
+        the publication that reads them is done."""
         ...
 
-    def snapshot(self) -> Mapping[str, torch.Tensor]:
+    def snapshot(self) -> WeightSource:
         """Like ``publication_state`` but unaffected by later steps (a background publication reads it)."""
         ...
 
-    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The publication of ``tensors`` (from either method above) is over: free what they hold."""
+    def release(self, source: WeightSource) -> None:
+        """The publication of ``source`` (from either method above) is over: free what it holds."""
+        ...
+
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        """The policy's log-prob of every token after the first given those before it, at temperature 1 (the
+        publication probe's learner side)."""
         ...
 
     def trim(self) -> None:
@@ -284,14 +291,18 @@ class LocalBackend:
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
 
-    def publication_state(self) -> Mapping[str, torch.Tensor]:
-        return state_dict_for_engine(self.model)
+    def publication_state(self) -> InMemory | AdapterWeights:
+        return model_source(self.model)
 
-    def snapshot(self) -> Mapping[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in state_dict_for_engine(self.model).items()}
+    def snapshot(self) -> InMemory | AdapterWeights:
+        source = model_source(self.model)
+        return replace(source, tensors={k: v.detach().clone() for k, v in source.tensors.items()})
 
-    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def release(self, source: WeightSource) -> None:
         pass  # plain tensors: the garbage collector frees them
+
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        return policy_logprobs(self.model, token_ids)
 
     def trim(self) -> None:
         trim_device_cache(self.model)

@@ -27,7 +27,7 @@ import torch
 from asyncrl.aio import settle
 from asyncrl.config import SyncConfig
 from asyncrl.engines.protocols import WeightTarget, WeightUpdate
-from asyncrl.engines.weights import state_dict_for_engine
+from asyncrl.engines.updates import WeightSource, as_source, model_source
 from asyncrl.types import PauseMode, SyncTiming
 from asyncrl.versions import VersionClock
 
@@ -66,22 +66,23 @@ class WeightSync:
         self.outcome: PublicationOutcome | None = None  # of the last publication that ended
         self._started: set[asyncio.Task[SyncTiming]] = set()  # background publications, owned until done
 
-    async def publish(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> SyncTiming:
-        """Make ``tensors`` the target's weights as ``version`` (default: the served version + 1), after any
-        publication in flight. Raises ``WeightUpdateError`` (nothing applied), ``EngineError``, or
-        ``CancelledError``."""
+    async def publish(self, weights: WeightSource | Mapping[str, torch.Tensor], version: int | None = None
+                      ) -> SyncTiming:
+        """Make ``weights`` (a typed source, or checkpoint-format tensors in memory) the target's weights as
+        ``version`` (default: the served version + 1), after any publication in flight. Raises
+        ``WeightUpdateError`` (nothing applied), ``EngineError``, or ``CancelledError``."""
         async with self._lock:
             version = self.clock.served + 1 if version is None else version
             self.clock.begin(version)
-            return await self._begun(WeightUpdate(version=version, tensors=tensors))
+            return await self._begun(WeightUpdate(version, as_source(weights)))
 
-    def start(self, tensors: Mapping[str, torch.Tensor]) -> asyncio.Task[SyncTiming]:
+    def start(self, weights: WeightSource | Mapping[str, torch.Tensor]) -> asyncio.Task[SyncTiming]:
         """Begin publishing the next version in the background and return its task. The clock's policy version
         moves now, not when the task first runs, so staleness is judged against these weights at once.
         Raises ``RuntimeError`` if a publication is in flight."""
         if self._lock.locked() or self.clock.pending is not None:
             raise RuntimeError("a publication is already in flight; await it first")
-        update = WeightUpdate(version=self.clock.served + 1, tensors=tensors)
+        update = WeightUpdate(self.clock.served + 1, as_source(weights))
         self.clock.begin(update.version)
 
         async def run() -> SyncTiming:
@@ -162,15 +163,16 @@ class WeightSync:
         return out
 
 
-async def publish(target: WeightTarget, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
+async def publish(target: WeightTarget, weights: torch.nn.Module | WeightSource | Mapping[str, torch.Tensor], *,
                   mode: PauseMode = PauseMode.KEEP, clear_cache: bool = True) -> int:
-    """Publish ``weights`` (a transformers model, or its checkpoint-format tensors) into an engine driven by hand,
-    outside a pipeline, in one call; returns the new version, the target's version + 1.
+    """Publish ``weights`` (a transformers model, a typed source, or checkpoint-format tensors) into an engine
+    driven by hand, outside a pipeline, in one call; returns the new version, the target's version + 1. A model
+    trained through LoRA publishes its adapter alone (``model_source``).
 
     A ``WeightSync`` of its own does it, with the same guarantees: prepare, pause, load, resume (always), release;
     a cancellation waits for a load under way and comes through as ``CancelledError``. Raises
     ``WeightUpdateError`` (nothing applied) or ``EngineError``. One publication at a time per target: callers
     that publish concurrently share one ``WeightSync`` instead."""
-    tensors = state_dict_for_engine(weights) if isinstance(weights, torch.nn.Module) else weights
+    source = model_source(weights) if isinstance(weights, torch.nn.Module) else weights
     sync = WeightSync(target, VersionClock(target.version), SyncConfig(mode=mode, clear_cache=clear_cache))
-    return (await sync.publish(tensors)).version
+    return (await sync.publish(source)).version

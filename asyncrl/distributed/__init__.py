@@ -7,10 +7,10 @@ Needs only torch; launch with ``torchrun`` or ``asyncrl.launch.ray``. See docs/S
 from asyncrl.distributed.checkpoint import export_hf, load_sharded, read_meta, save_sharded
 from asyncrl.distributed.fsdp import FSDPBackend, shard_model
 from asyncrl.distributed.partition import BatchPlan, RankShard, plan_batch
-from asyncrl.distributed.publication import PrestagedTarget, StagedTensors, full_buckets, stage_buckets
+from asyncrl.distributed.publication import full_buckets, stage_buckets
 from asyncrl.distributed.ranks import DistributedError, RankConfig, RankContext, close_ranks, init_ranks
 from asyncrl.distributed.run import run_ranks, sharded_pipeline
 
-__all__ = ["BatchPlan", "DistributedError", "FSDPBackend", "PrestagedTarget", "RankConfig", "RankContext", "RankShard",
-           "StagedTensors", "close_ranks", "export_hf", "full_buckets", "init_ranks", "load_sharded", "plan_batch",
+__all__ = ["BatchPlan", "DistributedError", "FSDPBackend", "RankConfig", "RankContext", "RankShard",
+           "close_ranks", "export_hf", "full_buckets", "init_ranks", "load_sharded", "plan_batch",
            "read_meta", "run_ranks", "save_sharded", "shard_model", "sharded_pipeline", "stage_buckets"]

@@ -9,25 +9,36 @@ Rank 0 is the ``TrainingBackend`` of the ``Learner``: each step it plans the bat
 rank its shard over the control channel and trains on its own. The other ranks run ``serve()``: a loop that
 takes rank 0's commands (train a shard, gather for publication, save a checkpoint, stop) and joins the
 collectives. Nothing else runs on them.
+
+LoRA: ``shard_model(model, ctx, lora=LoraConfig(...))`` wraps the model with a PEFT adapter before sharding
+(``asyncrl.distributed.lora``); the optimiser then holds the adapter alone, ``adapter_publication_state`` gathers
+the adapter's full tensors, and sharded checkpoints store the adapter and its optimiser state alone.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from asyncrl.actors.probe import policy_logprobs
 from asyncrl.actors.training import (accumulate, clip_and_step, finish_metrics, is_inert, prepare_model,
                                      trim_device_cache, zero_grads)
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
+from asyncrl.distributed.lora import check_optimizer, full_adapter_state, same_adapter
 from asyncrl.distributed.partition import RankShard, plan_batch
-from asyncrl.distributed.publication import DEFAULT_BUCKET_BYTES, StagedTensors, full_buckets, stage_buckets
+from asyncrl.distributed.publication import DEFAULT_BUCKET_BYTES, full_buckets, stage_buckets
 from asyncrl.distributed.ranks import ControlChannel, DistributedError, RankContext, guarded
+from asyncrl.engines.updates import AdapterWeights, ShardedBuckets, WeightSource
+from asyncrl.engines.weights import StagedTensors
+from asyncrl.lora.config import LoraConfig
+from asyncrl.lora.model import adapter_config, apply_lora, is_lora
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -35,12 +46,18 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0  # how long a stop waits for the step in progress before giving up on the followers
 
 
-def shard_model(model: torch.nn.Module, ctx: RankContext, *, reshard_after_forward: bool = True) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, ctx: RankContext, *, reshard_after_forward: bool = True,
+                lora: LoraConfig | None = None) -> torch.nn.Module:
     """FSDP2 over ``ctx.mesh``: each decoder layer, then the root (embeddings, final norm, head). Moves the model
-    to ``ctx.device`` first. Returns the same module, now sharded."""
+    to ``ctx.device`` first. Returns the same module, now sharded; with ``lora``, the model wrapped by
+    ``asyncrl.lora.apply_lora`` first (the adapter rank 0 made, on every rank), sharded: train that one."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if lora is not None:
+        model = apply_lora(model, lora)
     model.to(ctx.device)
+    if lora is not None:
+        same_adapter(model)
     for block in _blocks(model):
         fully_shard(block, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=ctx.mesh)
@@ -83,7 +100,8 @@ class Stop:
 
 
 class FSDPBackend:
-    """``TrainingBackend`` over an FSDP2-sharded model (``shard_model``), on every rank."""
+    """``TrainingBackend`` over an FSDP2-sharded model (``shard_model``), on every rank. For a LoRA model the
+    optimiser must hold exactly the adapter's parameters (``ValueError`` otherwise)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: Loss, config: LearnerConfig,
                  ctx: RankContext, *, publish_dtype: torch.dtype | None = None,
@@ -99,6 +117,8 @@ class FSDPBackend:
         self.channel = ControlChannel(ctx)
         self.stopped = False
         self._handed_out: dict[int, StagedTensors] = {}  # staged publications not released yet, by id
+        if is_lora(model):
+            check_optimizer(model, optimizer)
         prepare_model(model, config)  # on every rank: a recomputed block gathers its shards again, a collective
 
     # -- rank 0: the learner's backend -------------------------------------------------------------------
@@ -115,20 +135,39 @@ class FSDPBackend:
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return sums
 
-    def publication_state(self) -> StagedTensors:
+    def publication_state(self) -> ShardedBuckets | AdapterWeights:
+        """A LoRA policy publishes its adapter alone (``adapter_publication_state``); any other, every weight
+        gathered bucket by bucket and staged by rank 0."""
+        if is_lora(self.model):
+            return AdapterWeights(self.adapter_publication_state(), adapter_config(self.model))
         with self._command():
             self.channel.scatter([Gather(self.bucket_bytes)] * self.ctx.world_size)
             staged = guarded(self.ctx, "gathering weights", lambda: stage_buckets(
                 full_buckets(self.model, self.bucket_bytes), self.publish_dtype, self.staging_dir))
         self._handed_out[id(staged)] = staged
-        return staged
+        return ShardedBuckets(staged)
 
-    def snapshot(self) -> StagedTensors:
-        return self.publication_state()  # staged files do not change with later steps
+    def adapter_publication_state(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapter's full tensors (new CPU tensors in the training dtype, unaffected by later steps)
+        under PEFT's adapter-file names, as ``asyncrl.lora.adapter_state`` names them on the unsharded model.
+        Rank 0 calls it; the other ranks gather with it from ``serve`` (a collective). ``TypeError`` for a
+        model without an adapter."""
+        if not is_lora(self.model):
+            raise TypeError(f"adapter_publication_state needs a LoRA model (shard_model(..., lora=...)), got "
+                            f"{type(self.model).__name__}")
+        return self.call(_gather_adapter)  # type: ignore[return-value]
 
-    def release(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Let go of a staging this backend handed out (every publication is one; released once)."""
-        self._handed_out.pop(id(tensors)).release()
+    def snapshot(self) -> ShardedBuckets | AdapterWeights:
+        return self.publication_state()  # staged files and gathered adapters do not change with later steps
+
+    def release(self, source: WeightSource) -> None:
+        """Let go of a staging this backend handed out (every full publication is one; released once)."""
+        if isinstance(source, ShardedBuckets):
+            self._handed_out.pop(id(source.buckets)).release()
+
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Every rank runs the forward (a collective); rank 0's log-probs."""
+        return self.call(functools.partial(_score, token_ids=tuple(token_ids)))  # type: ignore[return-value]
 
     def trim(self) -> None:
         """Every rank's cached device memory back to its device (an engine may share any rank's device)."""
@@ -213,6 +252,14 @@ class FSDPBackend:
 def _drain(buckets: Iterator[object]) -> None:
     for _ in buckets:  # followers gather only to take part; rank 0 keeps the tensors
         pass
+
+
+def _gather_adapter(backend: FSDPBackend) -> dict[str, torch.Tensor]:
+    return guarded(backend.ctx, "gathering the adapter", lambda: full_adapter_state(backend.model))
+
+
+def _score(backend: FSDPBackend, token_ids: tuple[int, ...]) -> list[float]:
+    return policy_logprobs(backend.model, token_ids)
 
 
 def _trim(backend: FSDPBackend) -> None:

@@ -1,29 +1,24 @@
-"""Publishing from a sharded learner: full tensors gathered bucket by bucket, staged by rank 0, adopted by the
-engines.
+"""Publishing from a sharded learner: full tensors gathered bucket by bucket and staged by rank 0.
 
 ``full_buckets`` is a collective: every rank walks the same parameters in the same order and gathers each
 one (``DTensor.full_tensor()``), so at most one bucket of full tensors (``bucket_bytes``, or one tensor if it
 is larger) exists at a time; the whole model never does. Rank 0 writes each bucket as one safetensors file
-of a staging directory (``stage_buckets``) and hands the engines a ``StagedTensors`` mapping of it: tensors
-are read back from the files only when a transport asks for them (NCCL broadcasts them one by one), and an
-engine that reloads from files adopts the directory as it is (``PrestagedTarget``), so the files are written
-once for N servers, before the pause.
+of a staging directory (``stage_buckets``) and publishes it as a ``ShardedBuckets`` source: an engine that
+reloads from files adopts the directory as it is (written once for N servers, before the pause), and one that
+needs tensors (NCCL broadcast, CUDA IPC) reads them back from the files one at a time.
 """
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from asyncrl.engines.protocols import WeightTarget, WeightUpdate
-from asyncrl.engines.weights import (ParamSpec, StagedWeights, first_non_finite, make_staging_dir, read_manifest,
+from asyncrl.engines.weights import (StagedTensors, StagedWeights, first_non_finite, make_staging_dir,
                                      state_dict_for_engine)
 from asyncrl.errors import WeightUpdateError
-from asyncrl.types import PauseMode
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -77,95 +72,3 @@ def _drain_quietly(buckets: Iterator[object]) -> None:
             pass
     except Exception:  # the gather itself failed: the other ranks see that failure too
         pass
-
-
-class StagedTensors(Mapping[str, torch.Tensor]):
-    """A staged directory seen as name -> tensor. Names, shapes and dtypes come from the file headers; a
-    tensor is read from its file each time it is asked for (nothing is held in memory)."""
-
-    def __init__(self, staged: StagedWeights) -> None:
-        self.staged = staged
-        self.specs = read_manifest(staged.path)  # name -> shape and dtype
-        self._files = _owners(staged.path)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self._files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.specs)
-
-    def __len__(self) -> int:
-        return len(self.specs)
-
-    def release(self) -> None:
-        """The creator's hold on the directory; engines that loaded it hold their own."""
-        self.staged.release()
-
-
-def _owners(path: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    owners = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            owners.update({name: file for name in f.keys()})
-    return owners
-
-
-class PrestagedTarget(WeightTarget):
-    """A ``WeightTarget`` in front of an engine or ``EnginePool`` that lets it adopt ``StagedTensors`` (what
-    ``FSDPBackend`` publishes) as already staged, after checking names, shapes and dtype against the served
-    model's manifest (no tensor data is read). It publishes nothing else: other updates are refused."""
-
-    def __init__(self, target: WeightTarget, model_dir: str | Path) -> None:
-        self.target = target
-        self.name = target.name
-        self.manifest: dict[str, ParamSpec] = read_manifest(model_dir)
-
-    @property
-    def version(self) -> int:
-        return self.target.version
-
-    async def prepare(self, update: WeightUpdate) -> WeightUpdate:
-        tensors = update.tensors
-        if not isinstance(tensors, StagedTensors):  # input validation: this target's one kind of update
-            raise WeightUpdateError(f"{self.name}: PrestagedTarget publishes StagedTensors (a sharded learner's "
-                                    f"staging), got {type(tensors).__name__}")
-        check_specs(tensors.specs, self.manifest)
-        return await self.target.prepare(replace(update, staged=tensors.staged))
-
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self.target.pause(mode, clear_cache)
-
-    async def load(self, update: WeightUpdate) -> None:
-        await self.target.load(update)
-
-    async def resume(self) -> None:
-        await self.target.resume()
-
-    def release(self, update: WeightUpdate) -> None:
-        self.target.release(update)
-
-    @property
-    def sleep_level(self) -> int:
-        return self.target.sleep_level
-
-    async def sleep(self, level: int | None = None) -> None:
-        await self.target.sleep(level)
-
-    async def wake(self) -> None:
-        await self.target.wake()
-
-
-def check_specs(specs: Mapping[str, ParamSpec], manifest: Mapping[str, ParamSpec]) -> None:
-    """Refuse staged weights that would not replace every parameter of the served model exactly."""
-    missing, unknown = sorted(set(manifest) - set(specs)), sorted(set(specs) - set(manifest))
-    if missing or unknown:
-        raise WeightUpdateError(f"staged weights do not match the engine's parameters: missing {missing[:5]}, "
-                                f"unknown {unknown[:5]}")
-    for name, spec in specs.items():
-        if spec != manifest[name]:
-            raise WeightUpdateError(f"parameter {name}: staged as {spec}, the engine holds {manifest[name]}")

@@ -6,8 +6,8 @@
 
 ``run_ranks`` always ends the followers: when rank 0's work returns, fails or is cancelled (SIGTERM, which
 torchrun sends when another rank died) it sends them a stop (saying whether the run failed) before leaving.
-``sharded_pipeline`` is ``grpo_pipeline``'s wiring around a given backend, publishing through ``target``
-(e.g. a ``PrestagedTarget`` in front of an ``EnginePool``).
+``sharded_pipeline`` is ``grpo_pipeline``'s wiring around a given backend; the engines (an ``EnginePool`` of
+servers, say) take its staged buckets as they are (``engines.updates.ShardedBuckets``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ against the event (``Death.race``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import multiprocessing
+import multiprocessing.connection
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from asyncrl.errors import EngineError
 
@@ -58,3 +61,24 @@ class Death:
             task.cancel()
             dead.cancel()
 
+
+def watch_sentinels(sentinels: list[Any], name: str, died: Callable[[], object]) -> Any:
+    """Call ``died`` in the running event loop once any of the process ``sentinels`` becomes ready (its process
+    exited). A thread waits on them beside a pipe; closing the returned end (None when there is nothing to
+    watch) ends the thread without calling ``died``: the processes exit because we asked them to."""
+    if not sentinels:
+        return None
+    loop = asyncio.get_running_loop()
+    stop_r, stop_w = multiprocessing.Pipe(duplex=False)
+
+    def watch() -> None:
+        with stop_r:
+            if stop_r in multiprocessing.connection.wait([*sentinels, stop_r]):
+                return
+        try:
+            loop.call_soon_threadsafe(died)
+        except RuntimeError:  # the event loop is gone: nobody is left to tell
+            pass
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
+    return stop_w

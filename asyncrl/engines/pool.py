@@ -196,6 +196,16 @@ class EnginePool(Engine):
         for member, own in self._prepared.pop(update.version, []):
             member.engine.release(own)
 
+    async def score(self, token_ids: Sequence[int]) -> dict[str, list[float]]:
+        """Every live member's scores: each must serve what was published."""
+        scores: dict[str, list[float]] = {}
+
+        async def one(member: _Member) -> None:
+            scores.update(await member.engine.score(token_ids))
+
+        self._raise_failures("score", await self._on_all(one))
+        return scores
+
     # -- sleep -----------------------------------------------------------------------------------------
 
     @property

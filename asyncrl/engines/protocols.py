@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from asyncrl.config import SamplingConfig
+from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
-
-if TYPE_CHECKING:
-    import torch
-
-    from asyncrl.engines.weights import StagedWeights
 
 __all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine",
            "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
@@ -39,27 +34,6 @@ def request_seed(seed: int | None, request_id: str) -> int | None:
     """A per-request sampling seed: reproducible for a run seed, different for every request (a seed per
     sample index alone would give every group the same random stream)."""
     return None if seed is None else (seed * 1_000_003 + zlib.crc32(request_id.encode())) % 2**31
-
-
-@dataclass(frozen=True, slots=True)
-class StagedInEngine:
-    """``WeightUpdate.staged`` when the engine already holds the new weights beside the live ones (CUDA IPC
-    into shadow parameters): loading them under the pause is one device copy."""
-
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class WeightUpdate:
-    """New policy weights to publish.
-
-    ``tensors`` maps checkpoint-format parameter names (as in the model's ``state_dict``) to tensors; a
-    full update must name every parameter the engine's model has.
-    """
-
-    version: int  # the version these weights become once loaded
-    tensors: Mapping[str, torch.Tensor]
-    staged: StagedWeights | StagedInEngine | None = None  # set by ``prepare``: validated, ready to load
 
 
 @runtime_checkable
@@ -119,8 +93,9 @@ class WeightTarget(Protocol):
         ...
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
-        """Validate and stage ``update`` while generation still runs, so the pause covers only the load.
-        Raises ``WeightUpdateError`` with nothing applied. Returns the update with ``staged`` set."""
+        """Validate and stage ``update`` while generation still runs, so the pause covers only the load (an
+        engine does it through its one ``WeightTransport``). Raises ``WeightUpdateError`` with nothing applied,
+        naming a source the target cannot take. Returns the update with ``staged`` set."""
         ...
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
@@ -142,6 +117,14 @@ class WeightTarget(Protocol):
         """Free what ``prepare`` held for ``update``; called once per prepared update, loaded or not (a target
         that loaded it keeps its own reference to the staged weights)."""
         ...
+
+    async def score(self, token_ids: Sequence[int]) -> Mapping[str, list[float]]:
+        """Each engine's log-prob of every token after the first given those before it, at temperature 1, under
+        the weights it serves now, by engine name (one entry; a pool's every live member): what the learner's
+        publication probe (``SyncConfig.probe_tolerance``) compares with its own. Default: this target cannot be
+        scored, and a probe asked of it fails the run saying so."""
+        raise WeightUpdateError(f"{self.name} cannot score sequences, so its publications cannot be probed: "
+                                "leave SyncConfig.probe_tolerance unset")
 
     # Sleeping: freeing accelerator memory while a learner sharing the device trains (``VLLMEngine`` with
     # ``VLLMEngineConfig.sleep``; ``EnginePool`` and ``SupervisedEngine`` forward it). The synchronous pipeline

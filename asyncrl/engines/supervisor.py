@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-import torch
 
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate
+from asyncrl.engines.updates import detached
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -83,15 +83,18 @@ class SupervisedEngine(Engine):
     async def resume(self) -> None:
         await self._with_recovery(lambda e: e.resume())
 
+    async def score(self, token_ids: Sequence[int]) -> Mapping[str, list[float]]:
+        return await self._inner.score(token_ids)
+
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         inner = self._inner
         prepared = await inner.prepare(update)
         try:
-            tensors = await asyncio.to_thread(_cpu_copy, update.tensors)
+            copy = await asyncio.to_thread(detached, update.source)
         except BaseException:
             inner.release(prepared)
             raise
-        self._copies[update.version] = (inner, WeightUpdate(update.version, tensors))
+        self._copies[update.version] = (inner, WeightUpdate(update.version, copy))
         return prepared
 
     async def load(self, update: WeightUpdate) -> None:
@@ -165,10 +168,6 @@ class SupervisedEngine(Engine):
     async def close(self) -> None:
         self._closed = True
         await self._inner.close()
-
-
-def _cpu_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
 async def _prepare_and_load(engine: Engine, update: WeightUpdate) -> None:

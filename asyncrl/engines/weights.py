@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +147,7 @@ def collect_stale_staging(root: Path) -> list[Path]:
     return collect_dead_owners(root, STAGING_PREFIX)
 
 
-class _Abandoned(Exception):
+class StageAbandoned(Exception):
     """The caller was cancelled before the write began: nothing was written."""
 
 
@@ -155,7 +155,7 @@ def _validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapping[s
                         dtype: torch.dtype, root: Path | None, abandon: threading.Event) -> StagedWeights:
     validate_update(tensors, manifest)
     if abandon.is_set():
-        raise _Abandoned
+        raise StageAbandoned
     return stage(tensors, dtype, root)
 
 
@@ -165,8 +165,14 @@ async def validate_and_stage(tensors: Mapping[str, torch.Tensor], manifest: Mapp
     update. A cancelled caller skips the write if it has not begun, else waits for it and removes the directory
     before the cancellation comes through, so no staging directory outlives a cancelled call (the delay is at
     most the rest of one validation or write)."""
+    return await stage_in_thread(lambda abandon: _validate_and_stage(tensors, manifest, dtype, root, abandon))
+
+
+async def stage_in_thread(write: Callable[[threading.Event], StagedWeights]) -> StagedWeights:
+    """``write(abandon)`` in a worker thread; it should check ``abandon`` before it starts writing. A cancelled
+    caller sets it, waits for a write under way and removes what it wrote, so nothing outlives the call."""
     abandon = threading.Event()
-    job = asyncio.ensure_future(asyncio.to_thread(_validate_and_stage, tensors, manifest, dtype, root, abandon))
+    job = asyncio.ensure_future(asyncio.to_thread(write, abandon))
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
@@ -199,3 +205,50 @@ def state_dict_for_engine(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
+
+
+class StagedTensors(Mapping[str, torch.Tensor]):
+    """A staged directory seen as name -> tensor. Names, shapes and dtypes come from the file headers; a
+    tensor is read from its file each time it is asked for (nothing is held in memory)."""
+
+    def __init__(self, staged: StagedWeights) -> None:
+        self.staged = staged
+        self.specs = read_manifest(staged.path)  # name -> shape and dtype
+        self._files = _owners(staged.path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def release(self) -> None:
+        """The creator's hold on the directory; engines that loaded it hold their own."""
+        self.staged.release()
+
+
+def _owners(path: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    owners = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            owners.update({name: file for name in f.keys()})
+    return owners
+
+
+def check_specs(specs: Mapping[str, ParamSpec], manifest: Mapping[str, ParamSpec]) -> None:
+    """Refuse staged weights that would not replace every parameter of the served model exactly."""
+    missing, unknown = sorted(set(manifest) - set(specs)), sorted(set(specs) - set(manifest))
+    if missing or unknown:
+        raise WeightUpdateError(f"staged weights do not match the engine's parameters: missing {missing[:5]}, "
+                                f"unknown {unknown[:5]}")
+    for name, spec in specs.items():
+        if spec != manifest[name]:
+            raise WeightUpdateError(f"parameter {name}: staged as {spec}, the engine holds {manifest[name]}")

@@ -132,28 +132,22 @@ def reward_fn(args: argparse.Namespace) -> Any:
 
 
 async def connect(args: argparse.Namespace, urls: list[str], local_rank: int) -> Any:
-    """An ``EnginePool`` over the servers, behind a ``PrestagedTarget`` for publication."""
-    from asyncrl.distributed import PrestagedTarget
+    """An ``EnginePool`` over the servers. Rank 0's staged buckets reach them as they are: each server reloads
+    the files (``--transfer files``) or has them broadcast one tensor at a time (``nccl``)."""
     from asyncrl.engines.pool import EnginePool
-    from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
-    from asyncrl.engines.vllm_remote import free_port
+    from asyncrl.engines.vllm_remote import NcclTransportConfig, RemoteEngineConfig, RemoteVLLMEngine, free_port
 
     engines = []
     for i, url in enumerate(urls):
-        transport = None
+        nccl = None
         if args.transfer == "nccl":
-            from asyncrl.engines.vllm_remote.nccl import NcclTransportConfig
-            from asyncrl.engines.vllm_remote.nccl_stream import StreamingNcclTransport
-
             # The server's workers join rank 0's rendezvous: at the address the launcher gave rank 0.
-            transport = StreamingNcclTransport(NcclTransportConfig(
-                master_port=free_port(), master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                device=f"cuda:{local_rank}"))
+            nccl = NcclTransportConfig(master_port=free_port(), device=f"cuda:{local_rank}",
+                                       master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
         cfg = RemoteEngineConfig(base_url=url, model=args.served_model or str(args.model_dir),
-                                 model_dir=str(args.model_dir))
-        engines.append(await RemoteVLLMEngine.connect(cfg, name=f"server-{i}", transport=transport))
-    pool = EnginePool(engines)
-    return pool, PrestagedTarget(pool, args.model_dir)
+                                 model_dir=str(args.model_dir), nccl=nccl)
+        engines.append(await RemoteVLLMEngine.connect(cfg, name=f"server-{i}"))
+    return EnginePool(engines)
 
 
 async def lead(args: argparse.Namespace, backend: Any, hooks: list[Any] = ()) -> dict[str, Any]:
@@ -170,11 +164,11 @@ async def lead(args: argparse.Namespace, backend: Any, hooks: list[Any] = ()) ->
             urls.append(server.base_url)
         if not urls:
             raise SystemExit("no servers: give --servers, $ASYNCRL_SERVERS or --start-servers")
-        pool, target = await connect(args, urls, backend.ctx.local_rank)
-        return await train(args, backend, pool, target, hooks)
+        pool = await connect(args, urls, backend.ctx.local_rank)
+        return await train(args, backend, pool, hooks)
 
 
-async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, hooks: list[Any]) -> dict[str, Any]:
+async def train(args: argparse.Namespace, backend: Any, pool: Any, hooks: list[Any]) -> dict[str, Any]:
     from asyncrl.checkpoint.resume import continue_books
     from asyncrl.checkpoint.store import restored_counters
     from asyncrl.data import PromptSource
@@ -182,7 +176,7 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, target: Any, 
 
     meta = read_meta(args.resume) if args.resume else {"step": 0, "cursor": 0}
     source = PromptSource(prompts(args), start=meta["cursor"])
-    pipe = sharded_pipeline(pool, backend, source, reward_fn(args), pipeline_config(args), target=target,
+    pipe = sharded_pipeline(pool, backend, source, reward_fn(args), pipeline_config(args),
                             step=meta["step"])
     learner = pipe.learner
     if args.resume:

@@ -51,6 +51,9 @@ from asyncrl.examples import common, sft, tracking
 log = logging.getLogger("asyncrl.examples.grpo_offpolicy")
 
 
+LR, LORA_LR = 3e-4, 2e-3
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -91,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     misc.add_argument("-v", "--verbose", action="store_true")
     tracking.add_checkpoint_args(p.add_argument_group("checkpoints"))
     args = p.parse_args(argv)
+    args.lr = args.lr or (LORA_LR if args.lora else LR)
     tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
     return args
 
@@ -113,7 +117,8 @@ def _rl_args(rl: Any) -> None:
     rl.add_argument("--batch-groups", type=int, default=16, help="groups per learner step")
     rl.add_argument("--max-tokens", type=int, default=6, help="completion length limit")
     rl.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    rl.add_argument("--lr", type=float, default=3e-4)
+    rl.add_argument("--lr", type=float, default=None, help=f"learning rate: {LR}, or {LORA_LR} with --lora (an "
+                                                         "adapter moves the policy less per step)")
     rl.add_argument("--lr-warmup", type=int, default=25, help="learner steps over which lr ramps up linearly")
     rl.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=True,
                     help="decay lr linearly to 0 at the last step")
@@ -138,6 +143,12 @@ def _loss_args(loss: Any) -> None:
     loss.add_argument("--is-cap", type=float, default=2.0)
     loss.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds a frozen reference model")
     loss.add_argument("--entropy-coef", type=float, default=0.0)
+    loss.add_argument("--lora", action="store_true",
+                      help="train a LoRA adapter on the frozen policy and publish the adapter alone")
+    loss.add_argument("--lora-rank", type=int, default=16)
+    loss.add_argument("--lora-alpha", type=int, default=32)
+    loss.add_argument("--probe-tolerance", type=float, default=None,
+                      help="check every publication against the learner's log-probs (default with --lora: 1e-3)")
 
 
 # ------------------------------------------------------------------------------------------ preparation
@@ -178,7 +189,8 @@ def pipeline_config(args: argparse.Namespace) -> Any:
         queue=asyncrl.QueueConfig(capacity=capacity, max_staleness=args.max_staleness),
         learner=asyncrl.LearnerConfig(
             batch_groups=args.batch_groups, lr=args.lr, micro_batch_rollouts=args.batch_groups * args.n,
-            sync=asyncrl.SyncConfig(every=args.sync_every, mode=args.pause_mode, clear_cache=args.clear_cache),
+            sync=asyncrl.SyncConfig(every=args.sync_every, mode=args.pause_mode, clear_cache=args.clear_cache,
+                                    probe_tolerance=args.probe_tolerance or (1e-3 if args.lora else None)),
         ),
         num_producers=args.num_producers,
     )
@@ -194,23 +206,48 @@ def loss_config(args: argparse.Namespace) -> Any:
 
 
 def engine_config(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path) -> Any:
+    from asyncrl.engines.transports.adapters import LoraServingConfig
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     longest = max(len(encode_prompt(ex.prompt, tok)) for ex in task.train + task.held_out)
     max_len = 16 * -(-(longest + args.max_tokens + 1) // 16)
     seqs = max(64, args.n * args.batch_groups * args.num_producers)
     return VLLMEngineConfig(model=str(model_dir), dtype="float32", max_model_len=max(64, max_len),
-                            max_num_seqs=seqs, kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+                            max_num_seqs=seqs, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+                            lora=LoraServingConfig.holding(args.lora_rank) if args.lora else None)
 
 
-def load_policy(model_dir: Path, frozen: bool = False) -> Any:
+def load_policy(model_dir: Path, frozen: bool = False, lora: Any = None) -> Any:
+    """The policy from ``model_dir``; with ``lora`` (a ``LoraConfig``), wrapped to train an adapter alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if frozen:
         model.eval().requires_grad_(False)
+    if lora is not None:
+        from asyncrl.lora import apply_lora
+
+        torch.manual_seed(0)  # the adapter's A matrices: the same start on every run of a seed
+        model = apply_lora(model, lora)
     return model
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    from asyncrl.lora import LoraConfig
+
+    return LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora else None
+
+
+def reference(args: argparse.Namespace, model_dir: Path) -> Any:
+    """The KL penalty's frozen reference: the base itself under LoRA (no second copy), else a frozen copy."""
+    if args.kl_coef <= 0:
+        return None
+    if args.lora:
+        from asyncrl.lora import LoraReference
+
+        return LoraReference()
+    return load_policy(model_dir, frozen=True)
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -221,9 +258,9 @@ async def build_pipeline(args: argparse.Namespace, config: Any, engine: Any, tas
     """GRPO on ``engine`` through ``asyncrl.recipes.grpo_pipeline``, or continued from ``checkpoint``
     (``tracking.build_pipeline``); the engine outlives the pipeline."""
     return await tracking.build_pipeline(
-        engine, load_policy(model_dir), common.rl_prompts(task, tok, args.seed), common.prompt_reward(task),
-        config, checkpoint=checkpoint, checkpointer=checkpointer, loss_config=loss_config(args), pad_id=_pad_id(tok),
-        ref_model=load_policy(model_dir, frozen=True) if args.kl_coef > 0 else None, monitor=monitor,
+        engine, load_policy(model_dir, lora=lora_config(args)), common.rl_prompts(task, tok, args.seed),
+        common.prompt_reward(task), config, checkpoint=checkpoint, checkpointer=checkpointer,
+        loss_config=loss_config(args), pad_id=_pad_id(tok), ref_model=reference(args, model_dir), monitor=monitor,
         close_engine=False,  # closed in main(), after the final evaluation
     )
 
@@ -288,7 +325,15 @@ def _pad_id(tok: Any) -> int:
 
 
 def _save(model: Any, tok: Any, out: Path) -> None:
+    """The trained policy as a plain transformers model; a LoRA run's adapter also on its own, beside it."""
+    from asyncrl.lora import export_adapter, export_merged, is_lora
+
     shutil.rmtree(out, ignore_errors=True)
+    if is_lora(model):
+        export_merged(model, out, tok)
+        shutil.rmtree(out.parent / "adapter", ignore_errors=True)
+        export_adapter(model, out.parent / "adapter")
+        return
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
 

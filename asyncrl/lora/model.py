@@ -25,8 +25,8 @@ import torch
 from asyncrl.errors import ConfigError
 from asyncrl.lora.config import LoraConfig
 
-__all__ = ["LoraReference", "adapter_state", "apply_lora", "export_adapter", "export_merged", "is_lora",
-           "load_adapter_state", "merged_state", "reference_context"]
+__all__ = ["LoraReference", "adapter_config", "adapter_state", "apply_lora", "export_adapter", "export_merged",
+           "is_lora", "load_adapter_state", "merged_state", "reference_context"]
 
 
 def _peft() -> Any:
@@ -68,6 +68,14 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         if param.requires_grad and ".lora_" not in name:
             raise RuntimeError(f"{name} is trainable after wrapping, but is no adapter weight")
     return wrapped
+
+
+def adapter_config(model: torch.nn.Module) -> LoraConfig:
+    """The shape of ``model``'s adapter (rank, alpha, targets, dropout), as ``apply_lora`` was given it."""
+    settings = _require_lora(model, "adapter_config").peft_config["default"]
+    targets = settings.target_modules
+    return LoraConfig(rank=settings.r, alpha=settings.lora_alpha, dropout=settings.lora_dropout,
+                      target_modules=tuple(sorted(targets)) if not isinstance(targets, str) else (targets,))
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -187,9 +187,9 @@ async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, A
     own_out = Path(args.out).resolve() != common.RESULTS.resolve()
     log = Path(args.out) / f"vllm-server-{args.model_dir.name}.log" if own_out else None
     async with start_vllm_server(args.model_dir, free_port(), extra_args=extra, env=env, log_path=log) as server:
-        pool, target = await example.connect(ex, [server.base_url], backend.ctx.local_rank)
+        pool = await example.connect(ex, [server.base_url], backend.ctx.local_rank)
         pipe = sharded_pipeline(pool, backend, example.prompts(ex), example.reward_fn(ex),
-                                example.pipeline_config(ex), target=target)
+                                example.pipeline_config(ex))
         timings, walls = [], []
         for _ in range(args.publish_reps):  # wall: gather + stage (generation running) + the paused part
             t0 = time.perf_counter()

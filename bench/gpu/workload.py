@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------------ ours
 
 
-def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
+def pipeline_config(args: argparse.Namespace, synchronous: bool, lr: float | None = None) -> Any:
     import asyncrl
 
     b = args.batch_groups
@@ -122,7 +122,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
                                         max_inflight_groups=b if synchronous else b * args.inflight_batches),
         queue=asyncrl.QueueConfig(capacity=b * max(1, args.max_staleness),
                                   max_staleness=0 if synchronous else args.max_staleness, admission=args.admission),
-        learner=asyncrl.LearnerConfig(batch_groups=b, lr=args.lr, micro_batch_rollouts=args.n,
+        learner=asyncrl.LearnerConfig(batch_groups=b, lr=lr or args.lr, micro_batch_rollouts=args.n,
                                       skip_inert_groups=False, autocast=None if args.cpu_smoke else "bfloat16",
                                       sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous),
                                       **learner_speed_options(args)),
@@ -158,15 +158,18 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
     return time.perf_counter() - t0
 
 
-def engine_config(args: argparse.Namespace, model_dir: Path) -> Any:
+def engine_config(args: argparse.Namespace, model_dir: Path, lora: Any = None) -> Any:
+    """Our engine; with ``lora`` (a ``LoraConfig``), serving adapters of its rank (and never sleeping)."""
+    from asyncrl.engines.transports.adapters import LoraServingConfig
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     gpu = common.on_gpu() and not args.cpu_smoke
-    sleeps = args.layout == "1gpu" and "sync" in args.sides
+    sleeps = args.layout == "1gpu" and "sync" in args.sides and lora is None
     return VLLMEngineConfig(model=str(model_dir), dtype="bfloat16" if gpu else "float32",
                             max_model_len=max_model_len(args), max_num_seqs=args.max_num_seqs,
                             kv_cache_gib=args.kv_cache_gib, enforce_eager=not gpu, torch_compile=args.engine_compile,
-                            seed=args.seed, sleep=args.sleep_level if sleeps else 0)
+                            seed=args.seed, sleep=args.sleep_level if sleeps else 0,
+                            lora=None if lora is None else LoraServingConfig.holding(lora.rank))
 
 
 @contextmanager
@@ -191,12 +194,18 @@ def engine_devices(args: argparse.Namespace) -> Any:
 
 
 async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: Any, prompts: list[Any],
-                  synchronous: bool, memory: MemoryWatch) -> dict[str, Any]:
+                  synchronous: bool, memory: MemoryWatch, lora: Any = None, lr: float | None = None) -> dict[str, Any]:
+    """One pipeline run; with ``lora`` (a ``LoraConfig``) the policy trains an adapter alone, published alone."""
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.recipes import grpo_pipeline
 
     model = common.load_learner(model_dir, dtype="float32")
-    config = pipeline_config(args, synchronous)
+    if lora is not None:
+        from asyncrl.lora import apply_lora
+
+        model = apply_lora(model, lora)
+    config = pipeline_config(args, synchronous, lr)
+    learner_memory = common.LearnerMemory()
     precompile_s = precompile_learner(args, model, config.learner)
     pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
                          config, pad_id=tok.pad_token_id, close_engine=False,
@@ -214,9 +223,10 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     pipe.learner.hooks.append(hook)
     counters = getattr(engine, "sleep_counters", None)
     before = (counters.sleep_s, counters.wake_s) if counters else (0.0, 0.0)
-    with memory.watching():
+    with memory.watching(), learner_memory:
         result = await (pipe.run_synchronous if synchronous else pipe.run)(args.steps)
     wall = time.perf_counter() - t0
+    pauses = [t.total_s for t in pipe.learner.weight_sync.history]
     out = rates(marks, per_step, tokens, wall, args.skip_steps)
     out.update(mode="sync" if synchronous else "async", rewards=rewards, tokens_generated=result.tokens_generated,
                generated_tokens_per_s=result.tokens_generated / wall, learner_train_s=result.train_s,
@@ -224,6 +234,9 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak), learner_precompile_s=precompile_s,
                learner_options=learner_speed_options(args),
                staleness_mean=common.staleness_mean(pipe.receiver.statistics().staleness),
+               publication_pause_s={"mean": sum(pauses) / len(pauses), "max": max(pauses), "count": len(pauses)}
+               if pauses else None, learner_peak_allocated_gib=learner_memory.peak_gib,
+               trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                **token_books(pipe, result))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]

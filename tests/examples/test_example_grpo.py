@@ -2,7 +2,9 @@
 
 Run A trains a tiny model built from a 5-line prompts file (plain, chat-format and GSM8K-style rows). Run B
 starts from the model run A saved (``--model``) on the built-in addition task, which proves vLLM loads the
-saved model and generates with it. Both runs take a few steps so the module stays around two minutes.
+saved model and generates with it, and trains a LoRA adapter on it (``--lora``: adapter-only publication into an
+engine serving adapters, every publication probed, the KL reference the base itself). Both runs take a few steps
+so the module stays around two minutes.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
     a = run_example(tmp / "a", "--prompts", str(prompts))
     # In-process engine core for run B: starts in ~9 s instead of ~20 s; the model load path is the same.
-    b = run_example(tmp / "b", "--model", str(tmp / "a" / "model"), "--steps", "2",
-                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    b = run_example(tmp / "b", "--model", str(tmp / "a" / "model"), "--steps", "2", "--lora", "--lora-rank", "8",
+                    "--kl-coef", "0.05", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return {"a": (tmp / "a", a.stdout), "b": (tmp / "b", b.stdout)}
 
 
@@ -84,7 +86,12 @@ def test_saved_model_loads_in_transformers(runs) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(480)
-def test_saved_model_loads_in_vllm_and_trains_again(runs) -> None:
+def test_saved_model_loads_in_vllm_and_trains_an_adapter_on_it(runs) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.lora import LoraConfig, apply_lora, load_adapter_state, merged_state
+
     out, stdout = runs["b"]
     # Run B started a VLLMEngine on run A's saved model and generated with it (held-out eval, rollouts).
     assert "task arithmetic: 9000 training / 20 held-out problems" in stdout
@@ -92,6 +99,21 @@ def test_saved_model_loads_in_vllm_and_trains_again(runs) -> None:
     assert not (out / "base").exists(), "--model must skip building and warm start"
     rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all("train/reward_mean" in r for r in rows)
+    # Each step published its adapter alone, and the probe found the engine serving exactly it.
+    assert [r["learner/version"] for r in rows] == [1, 2]
+    assert all(0 <= r["sync/probe_max_diff"] < 1e-3 for r in rows), [r.get("sync/probe_max_diff") for r in rows]
+    assert all(r["loss/kl"] >= 0 for r in rows)  # the reference: the base under the adapter, switched off
+    # The adapter on its own, and the merged model, which equals base + adapter.
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    base = AutoModelForCausalLM.from_pretrained(str(runs["a"][0] / "model"), dtype=torch.float32)
+    wrapped = apply_lora(base, LoraConfig(rank=8, alpha=32))
+    load_adapter_state(wrapped, adapter)
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32).state_dict()
+    for name, tensor in merged_state(wrapped).items():
+        assert torch.allclose(merged[name], tensor, atol=1e-6), name
 
 
 @pytest.mark.vllm

@@ -24,6 +24,8 @@ from asyncrl import (
     ConfigError, DropReason, EngineError, NoProgressError, PauseMode, Prompt, SyncConfig, VersionClock, WeightSync,
 )
 from asyncrl.engines import weights
+from asyncrl.engines.updates import AdapterWeights
+from asyncrl.lora import LoraConfig
 from asyncrl.engines.common import RESTORE_ATTEMPTS, finish_reason, restore_good_weights
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.supervisor import SupervisedEngine
@@ -300,12 +302,41 @@ async def test_restoring_after_a_failed_reload_retries_the_same_number_of_times_
 
     await restore_good_weights("e", flaky, tmp_path, RuntimeError("reload failed"))
     assert len(calls) == RESTORE_ATTEMPTS
-    import inspect
 
-    from asyncrl.engines.vllm_local import engine as local
-    from asyncrl.engines.vllm_remote import engine as remote
-    for module in (local, remote):  # both engines restore through the one shared routine
-        assert "restore_good_weights(" in inspect.getsource(module)
+
+async def test_the_file_transport_restores_the_last_good_weights_after_a_failed_reload(tmp_path):
+    """Both vLLM engines reload files through ``FileTransport``: a reload that fails part-way is undone by
+    reloading the last good directory, the update is refused, and the next good one becomes the restore point."""
+    from safetensors.torch import save_file
+
+    from asyncrl.engines.transports.files import FileTransport
+    from asyncrl.engines.updates import InMemory, WeightUpdate
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file({"w": torch.zeros(2)}, str(model_dir / "model.safetensors"))
+    reloads: list[Path] = []
+    failing: set[int] = {1}
+
+    async def reload(path: Path) -> None:
+        reloads.append(path)
+        if len(reloads) in failing:
+            raise RuntimeError("half the layers loaded")
+
+    transport = FileTransport("e", reload, model_dir, torch.float32, root=tmp_path)
+    bad = await transport.stage(WeightUpdate(1, InMemory({"w": torch.ones(2)})))
+    with pytest.raises(weights.WeightUpdateError, match="previous weights restored"):
+        await transport.load(bad)
+    transport.release(bad)
+    assert reloads == [bad.staged.path, model_dir]  # the checkpoint itself: nothing loaded before
+    good = await transport.stage(WeightUpdate(2, InMemory({"w": torch.full((2,), 2.0)})))
+    await transport.load(good)
+    transport.release(good)
+    assert transport.good == good.staged.path and good.staged.path.is_dir()  # kept as the restore point
+    with pytest.raises(weights.WeightUpdateError, match="adapter"):
+        await transport.stage(WeightUpdate(3, AdapterWeights({}, LoraConfig())))
+    await transport.close()
+    assert not good.staged.path.exists()
 
 
 

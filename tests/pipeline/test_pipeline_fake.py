@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl import (
     AbortPolicy, ConfigError, DropReason, InvalidGroupError, InvalidGroupPolicy, LearnerConfig, PipelineConfig,
     ProducerConfig, Prompt, QueueClosed, QueueConfig, SamplingConfig, SyncConfig, VersionClock,
@@ -195,7 +196,7 @@ async def test_abort_cut_samples_are_resubmitted_or_dropped():
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
         await asyncio.wait_for(engine.token_produced.wait(), 10)
         await engine.pause(PauseMode.ABORT, clear_cache=False)
-        await engine.load(WeightUpdate(1, {}))
+        await engine.load(WeightUpdate(1, InMemory({})))
         await engine.resume()
         result = await asyncio.wait_for(task, 10)
         if expect_drop:

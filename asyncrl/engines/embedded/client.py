@@ -2,7 +2,7 @@
 the ``EngineControl`` routes (``server.py``).
 
 ``RemoteControlEngine`` lets the standard ``WeightSync`` and ``Learner`` publish into the embedded engine:
-``prepare`` checks the update against ``model_dir``'s parameters, stages it with ``validate_and_stage`` under
+``prepare`` checks the update against ``model_dir``'s parameters, stages it as files (``stage_as_files``) under
 ``staging_dir`` (default ``/dev/shm``; the service must be able to read it), has the service read and prepare
 it while generation runs, and removes the staged directory once answered; ``load`` then only asks the paused
 service to load it. It never samples: producers live next to the engine, in the service.
@@ -24,7 +24,8 @@ from typing import Any
 
 from asyncrl.engines.embedded.server import CONTROL_PREFIX
 from asyncrl.engines.protocols import Lifecycle, StagedInEngine, WeightTarget, WeightUpdate
-from asyncrl.engines.weights import manifest_dtype, read_manifest, staging_root, validate_and_stage
+from asyncrl.engines.transports.files import stage_as_files
+from asyncrl.engines.weights import manifest_dtype, read_manifest, staging_root
 from asyncrl.errors import ConfigError, EngineError, WeightUpdateError
 from asyncrl.http.client import JSONClient, TransportError
 from asyncrl.types import PauseMode
@@ -115,7 +116,7 @@ class RemoteControlEngine(WeightTarget, Lifecycle):
         """Validate and stage here (a bad update is refused before anything is sent), then have the service
         read and prepare it. The staged directory is removed once the service has answered."""
         self._prepared = None
-        staged = await validate_and_stage(update.tensors, self._manifest, self._dtype, self._staging_root)
+        staged = (await stage_as_files(self.name, update, self._manifest, self._dtype, self._staging_root)).staged
         try:
             await self._call("POST", "/prepare", {"version": update.version, "path": str(staged.path)})
         finally:

@@ -51,6 +51,7 @@ from aiohttp import web
 
 from asyncrl.aio import settle
 from asyncrl.engines.protocols import Engine, WeightUpdate
+from asyncrl.engines.updates import InMemory
 from asyncrl.errors import ConfigError, EngineError, WeightUpdateError
 from asyncrl.http.server import BearerAuth, HTTPError, bad_request, json_endpoint, read_json_object
 from asyncrl.types import PauseMode
@@ -276,7 +277,7 @@ class EngineControl:
         if body["version"] < 0:
             raise bad_request("version", f"must be >= 0, got {body['version']}")
         tensors = await asyncio.to_thread(_read_tensors, self._weights_dir(body["path"]))
-        return WeightUpdate(version=body["version"], tensors=tensors)
+        return WeightUpdate(body["version"], InMemory(tensors))
 
     def _weights_dir(self, given: str) -> Path:
         path = Path(given)

@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from asyncrl.config_base import Flag, PathStr, PositiveInt, config
+from asyncrl.config_base import Flag, PathStr, PositiveInt, config, require
+from asyncrl.engines.transports.adapters import LoraServingConfig
 from asyncrl.errors import ConfigError
 
 WORKER_EXTENSION = "asyncrl.engines.vllm_local.worker_ext.AsyncRLWorkerExtension"  # loaded by name in workers
@@ -74,6 +75,9 @@ class VLLMEngineConfig:
         "(the synchronous pipeline, ``VLLMEngine.sleep``): 1 copies the weights to host memory and frees them "
         "and the KV cache; 2 frees both and keeps nothing, so the engine can only wake with a full weight "
         "update. 0: off (vLLM's memory pool is then not used). On CPU sleeping only pauses the engine"))] = 0
+    lora: Annotated[LoraServingConfig | None, Field(description=(
+        "serve LoRA adapters on the frozen base model: publications then carry the adapter alone "
+        "(``transports.adapters``). None: publications replace every weight"))] = None
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None, Field(description=(
         "vLLM's log level, in this process (the 'vllm' logger) and in the processes it spawns (their "
         "VLLM_LOGGING_LEVEL); its INFO lines are a hundred or so per start. None: vLLM's own setting. A "
@@ -81,6 +85,14 @@ class VLLMEngineConfig:
     extra: Annotated[dict[str, Any], Field(description=(
         "more AsyncEngineArgs fields, passed as is; a ``compilation_config`` dict is merged over the one that "
         "``torch_compile`` and ``cudagraph_capture_sizes`` make"))] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _rules(self) -> VLLMEngineConfig:
+        require(self.lora is None or not self.sleep, self, "lora",
+                "LoRA serving and sleep mode do not combine: an adapter publication is cheap enough to need no sleep")
+        require(self.lora is None or self.weight_transfer != WeightTransfer.CUDA_IPC, self, "weight_transfer",
+                "with lora set, publications carry adapters (transports.adapters): leave weight_transfer at auto")
+        return self
 
     def uses_cuda_ipc(self) -> bool:
         return self.weight_transfer == WeightTransfer.CUDA_IPC or (
@@ -155,6 +167,9 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
         kwargs["enable_chunked_prefill"] = False
     if cfg.sleep and not cpu:  # vLLM's CPU platform has no sleep mode (and refuses the flag)
         kwargs["enable_sleep_mode"] = True
+    if cfg.lora is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=cfg.lora.max_rank, max_loras=cfg.lora.max_loras,
+                      max_cpu_loras=cfg.lora.max_cpu_loras)
     compilation = compilation_config(cfg)
     extra = dict(cfg.extra)
     if isinstance(extra.get("compilation_config"), dict):

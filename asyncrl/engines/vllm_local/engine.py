@@ -1,35 +1,36 @@
 """All three engine roles over an in-process vLLM ``AsyncLLM`` (vLLM 0.26 and newer, CPU and GPU).
 
-Weights are published one of two ways (``VLLMEngineConfig.weight_transfer``, see ``worker_ext``): ``files``:
-staged as safetensors in shared memory and loaded with vLLM's layerwise reload, the path that works on CPU
-(where ``load_weights`` after start-up has no effect); ``cuda_ipc`` (the default on CUDA): handed to the
-workers through a CUDA IPC handle and loaded into shadow parameters before the pause, so the pause covers one
-device copy. With ``VLLMEngineConfig.sleep`` it can also free its GPU memory while a colocated learner trains
-(``sleep`` / ``wake``, see ``sleep.py``). Version tags come from the engine itself where vLLM stamps outputs
-(0.32+); on older vLLM they are tracked here from streamed deltas.
+Weights arrive through the engine's one transport (``transports.base``), as its configuration declares: staged
+files (``weight_transfer=files``, the path that works on CPU), CUDA IPC into shadow parameters (``cuda_ipc``, the
+default on CUDA), either one wrapped by sleep/wake (``sleep``), or LoRA adapters on the frozen base (``lora``).
+Versions are stamped by vLLM (0.32+) or tracked here from streamed deltas; an adapter's request has its adapter's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-import multiprocessing.connection
 import os
-import threading
 import time
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, restore_good_weights, stamped_spans
-from asyncrl.engines.death import Death
-from asyncrl.engines.protocols import Engine, StagedInEngine, WeightUpdate, request_seed
+from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
+from asyncrl.engines.death import Death, watch_sentinels
+from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
 from asyncrl.engines.env import scoped_env
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
-from asyncrl.engines.vllm_local.ipc import stage_in_engine
+from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
+from asyncrl.engines.transports.base import WeightTransport
+from asyncrl.engines.vllm_local.adapters import LocalAdapterPort, lora_request
+from asyncrl.engines.transports.files import FileTransport
+from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
@@ -38,14 +39,15 @@ from asyncrl.engines.vllm_local.llm_internals import (
     fail_requests,
     has_flat_logprobs,
     output_handler,
-    pending_outputs_probe,
+    drain_outputs,
     quiet_shutdown,
     sampled_logprobs,
+    scoring_params,
     validation_error,
 )
-from asyncrl.engines.vllm_local.sleep import SleepMixin
-from asyncrl.engines.weights import StagedWeights, manifest_dtype, read_manifest, validate_and_stage
-from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
+from asyncrl.engines.vllm_local.sleep import SleepControl, SleepCounters, SleepTransport
+from asyncrl.engines.weights import manifest_dtype, read_manifest
+from asyncrl.errors import EngineError, PromptRejected
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
 
-class VLLMEngine(SleepMixin, Engine):
+class VLLMEngine(Engine):
     """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
 
     def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm", rpc_dir: Path | None = None) -> None:
@@ -70,14 +72,33 @@ class VLLMEngine(SleepMixin, Engine):
         # vLLM's own rule: an id is in the vocabulary if the tokenizer or the model (padded above it) has it.
         self._vocab_size = max(llm.tokenizer.max_token_id + 1, llm.model_config.get_vocab_size())
         self._refused = validation_error()
-        self._ipc = cfg.uses_cuda_ipc()
-        self._manifest = read_manifest(cfg.model)
-        # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
-        self._good = StagedWeights(Path(cfg.model), owned=False)
         self._closed = False
         self._death = Death()  # declared when the engine core exits or the output loop fails (``_watch``)
         self._stop_watching: Any = None  # closing it ends the process watcher's thread
-        self._init_sleep()
+        self._sleep: SleepTransport | None = None  # with VLLMEngineConfig.sleep
+        self._adapters: AdapterTransport | None = None  # with VLLMEngineConfig.lora
+        self._probes = itertools.count()
+        self._transport = self._make_transport()
+
+    def _make_transport(self) -> WeightTransport:
+        """The engine's one weight transport, as its configuration declares it."""
+        cfg, manifest = self._cfg, read_manifest(self._cfg.model)
+        dtype = manifest_dtype(manifest) if cfg.dtype == "auto" else dtype_from_name(cfg.dtype)
+        if cfg.lora is not None:
+            port = LocalAdapterPort(lambda: self._llm, self._call)
+            self._adapters = AdapterTransport(self.name, port, manifest, cfg.lora, dtype)
+            return self._adapters
+        if cfg.uses_cuda_ipc():
+            awake: CudaIpcTransport | FileTransport = CudaIpcTransport(self.name, self._rpc, manifest, dtype)
+        else:
+            awake = FileTransport(self.name, self._reload, cfg.model, dtype, fatal=(EngineError,))
+        if not cfg.sleep:
+            return awake
+        control = SleepControl(sleep=lambda level, mode: self._call(self._llm.sleep(level, mode)),
+                               wake_up=lambda tags: self._call(self._llm.wake_up(tags=tags)),
+                               drain=self._drain_outputs, rpc=self._rpc)
+        self._sleep = SleepTransport(self.name, awake, control, manifest, dtype)
+        return self._sleep
 
     @classmethod
     async def start(cls, cfg: VLLMEngineConfig, name: str = "vllm") -> VLLMEngine:
@@ -100,8 +121,8 @@ class VLLMEngine(SleepMixin, Engine):
         engine = cls(llm, cfg, name, rpc_dir)
         try:
             engine._watch()
-            await engine._call(llm.collective_rpc("asyncrl_record_ties"))
-            await engine._call(llm.collective_rpc("asyncrl_die_with", args=(os.getpid(),)))
+            await engine._rpc("asyncrl_record_ties")
+            await engine._rpc("asyncrl_die_with", os.getpid())
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:
@@ -161,19 +182,23 @@ class VLLMEngine(SleepMixin, Engine):
         token_ids: list[int] = []
         logprobs: list[float] = []
         final = None
-        async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
-                                                        request_id=request_id), request_id):
-            comp = out.outputs[0]
-            if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
-                spans.add(self._version, len(comp.token_ids))
-            else:
-                token_ids.clear(), logprobs.clear()
-            token_ids.extend(comp.token_ids)
-            logprobs.extend(sampled_logprobs(self.name, comp))
-            final = comp
+        with self._hold_adapter() as adapter:
+            async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
+                                                            request_id=request_id, lora_request=lora_request(adapter)),
+                                         request_id):
+                comp = out.outputs[0]
+                if not self._stamps:  # DELTA: tag the new tokens with the version they arrived under
+                    spans.add(self._version, len(comp.token_ids))
+                else:
+                    token_ids.clear(), logprobs.clear()
+                token_ids.extend(comp.token_ids)
+                logprobs.extend(sampled_logprobs(self.name, comp))
+                final = comp
         if final is None:
             raise EngineError(self.name, f"request {request_id} ended without output")
-        if self._stamps:
+        if self._adapters is not None:  # every token from the adapter the request was submitted with
+            version_spans = stamped_spans([(version_at_submit, 0, len(token_ids))], version_at_submit)
+        elif self._stamps:
             stamped = [(int(s.version), s.start, s.end) for s in final.weight_versions or ()]
             version_spans = stamped_spans(stamped, version_at_submit)
         else:
@@ -181,6 +206,25 @@ class VLLMEngine(SleepMixin, Engine):
         return Sample(token_ids=tuple(token_ids), logprobs=tuple(logprobs),
                       finish_reason=finish_reason(self.name, final.finish_reason), version_spans=version_spans,
                       text=self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-prob of each token after the first given the tokens before it, at temperature 1, under the weights
+        (and adapter) served now: what a publication is checked with (``Learner``'s probe)."""
+        self._raise_if_dead()
+        sp, request_id = scoring_params(), f"asyncrl-probe-{next(self._probes)}"
+        with self._hold_adapter() as adapter:
+            async for out in self._guard(self._llm.generate({"prompt_token_ids": list(token_ids)}, sp,
+                                                            request_id=request_id, lora_request=lora_request(adapter)),
+                                         request_id):
+                final = out
+        steps = final.prompt_logprobs[1:]
+        return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], steps, strict=True)]
+
+    def _hold_adapter(self) -> contextlib.AbstractContextManager[ServedAdapter | None]:
+        return self._adapters.hold() if self._adapters is not None else contextlib.nullcontext()
+
+    async def score(self, token_ids: Sequence[int]) -> dict[str, list[float]]:
+        return {self.name: await self.prompt_logprobs(token_ids)}
 
     async def _guard(self, stream: Any, request_id: str) -> Any:
         """Re-raise vLLM's errors as ours: a request its validation refused (an id outside the vocabulary...) as
@@ -221,48 +265,20 @@ class VLLMEngine(SleepMixin, Engine):
         await self._drain_outputs()
 
     async def _drain_outputs(self) -> None:
-        """Return once every output produced before the pause has been taken by its request's stream.
-
-        They precede the pause reply on the engine's socket, so they sit in the client's output queue or in
-        per-request collectors; when both are empty on two loop turns in a row (the output handler yields
-        between chunks), all were consumed. This matters where versions are tagged on arrival (vLLM < 0.32):
-        a pre-pause token must not be counted under the new version."""
-        pending = pending_outputs_probe(self._llm)
-        if pending is None:  # a vLLM without these internals: fall back to its own heuristic
-            await asyncio.sleep(0.02)
-            return
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        clean = 0
-        while clean < 2:
-            await asyncio.sleep(0)
-            clean = 0 if pending() else clean + 1
-            if time.monotonic() > deadline:
-                log.warning("outputs still pending %.1fs after pausing %s", DRAIN_TIMEOUT_S, self.name)
-                return
+        await drain_outputs(self._llm, self.name, DRAIN_TIMEOUT_S)
 
     async def resume(self) -> None:
         self._raise_if_dead()
-        if not await self._resume_asleep():
+        if self._sleep is None or not await self._sleep.resume():
             await self._call(self._llm.resume_generation())
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
-        """Validate and stage the update while generation still runs; only the load needs the pause. An update
-        another engine of a pool already staged as files is adopted as it is."""
-        if (packed := await self._prepare_asleep(update)) is not None:
-            return packed
-        if self._ipc:
-            staged = await stage_in_engine(self.name, self._call, self._llm, update, self._manifest,
-                                           self._dtype)
-            return replace(update, staged=staged)
-        if isinstance(update.staged, StagedWeights):
-            return replace(update, staged=update.staged.acquire())
-        return replace(update, staged=await validate_and_stage(update.tensors, self._manifest, self._dtype))
+        """Check and stage through the engine's transport while generation still runs (files another engine
+        of a pool staged are adopted as they are); only the load needs the pause."""
+        return await self._transport.stage(update)
 
     def release(self, update: WeightUpdate) -> None:
-        # Shadows staged in the engine stay allocated; the next stage overwrites them.
-        self._release_packed(update)
-        if isinstance(update.staged, StagedWeights):
-            update.staged.release()
+        self._transport.release(update)
 
     async def load(self, update: WeightUpdate) -> None:
         """Load a prepared update. Runs to its end even if the caller is cancelled meanwhile, so the engine's
@@ -270,52 +286,51 @@ class VLLMEngine(SleepMixin, Engine):
         await settle(self._load(update), f"loading version {update.version} into {self.name}")
 
     async def _load(self, update: WeightUpdate) -> None:
-        if await self._load_asleep(update):
-            return
-        if isinstance(update.staged, StagedInEngine):
-            await self._commit_staged(update.version)
-            self._weights_lost = False
-            return
-        if not isinstance(update.staged, StagedWeights):
-            raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
-        try:
-            await self._reload(update.staged.path)
-        except EngineError:
-            raise
-        except Exception as exc:
-            await restore_good_weights(self.name, self._reload, self._good.path, exc)
-            raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc!r}); previous weights "
-                                    f"restored, version stays {self._version}") from exc
+        await self._transport.load(update)  # all-or-nothing: a failure leaves the version as it was
         await self._set_version(update.version)
-        self._weights_lost = False
-        previous, self._good = self._good, update.staged.acquire()
-        previous.release()
 
-    async def _commit_staged(self, version: int) -> None:
-        # The commit checks the staged version before copying anything, so a refusal leaves the live
-        # weights as they were; a fault during the device copy kills the engine (EngineError).
-        try:
-            await self._call(self._llm.collective_rpc("asyncrl_commit", args=(version,)))
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise WeightUpdateError(f"engine {self.name}: commit of staged weights failed ({exc!r}); "
-                                    f"version stays {self._version}") from exc
-        await self._set_version(version)
-
-    @property
-    def _dtype(self) -> Any:
-        if self._cfg.dtype == "auto":
-            return manifest_dtype(self._manifest)
-        return dtype_from_name(self._cfg.dtype)
+    async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self._call(self._llm.collective_rpc(method, args=args, kwargs=kwargs or None))
 
     async def _reload(self, weights_dir: Path) -> None:
-        await self._call(self._llm.collective_rpc("asyncrl_reload", kwargs={"weights_path": str(weights_dir)}))
+        await self._rpc("asyncrl_reload", weights_path=str(weights_dir))
 
     async def _set_version(self, version: int) -> None:
         if self._stamps:
             await self._call(self._llm.update_weight_version(str(version)))
         self._version = version
+
+    # -- sleeping (VLLMEngineConfig.sleep; see sleep.py) ----------------------------------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        """The level ``sleep()`` uses (``VLLMEngineConfig.sleep``); 0: this engine never sleeps."""
+        return self._cfg.sleep
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleep is not None and self._sleep.asleep
+
+    @property
+    def sleep_counters(self) -> SleepCounters:
+        return self._sleep.counters if self._sleep is not None else SleepCounters()
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Pause and free the GPU memory at ``level`` (default ``VLLMEngineConfig.sleep``; 1 where a step will
+        not publish, since level 2 needs an update to wake). Requests sent meanwhile wait for the wake."""
+        if self._sleep is None:
+            raise EngineError(self.name, "engine started without sleep mode (VLLMEngineConfig.sleep=0)")
+        level = self._cfg.sleep if level is None else level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self._raise_if_dead()
+        await self._sleep.sleep(level)
+
+    async def wake(self) -> None:
+        """Wake fully without an update (see sleep.py for level 2). No-op when awake."""
+        self._raise_if_dead()
+        if self._sleep is not None:
+            await self._sleep.wake()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -344,22 +359,8 @@ class VLLMEngine(SleepMixin, Engine):
         handler = output_handler(self._llm)
         if handler is not None:
             handler.add_done_callback(lambda _: self._closed or self._died("engine died: its output loop ended"))
-        sentinels = engine_core_sentinels(self._llm)
-        if not sentinels:
-            return
-        loop = asyncio.get_running_loop()
-        stop_r, self._stop_watching = multiprocessing.Pipe(duplex=False)
-
-        def watch() -> None:
-            with stop_r:
-                if stop_r in multiprocessing.connection.wait([*sentinels, stop_r]):
-                    return  # closed: the processes exit because we asked them to
-            try:
-                loop.call_soon_threadsafe(lambda: self._closed or self._died("engine core process died"))
-            except RuntimeError:  # the event loop is gone: nobody is left to tell
-                pass
-
-        threading.Thread(target=watch, name=f"asyncrl-{self.name}-death", daemon=True).start()
+        self._stop_watching = watch_sentinels(engine_core_sentinels(self._llm), f"asyncrl-{self.name}-death",
+                                              lambda: self._closed or self._died("engine core process died"))
 
     async def close(self) -> None:
         """Shut vLLM down (its processes gone when this returns) and remove staged weights. Idempotent; runs
@@ -376,7 +377,7 @@ class VLLMEngine(SleepMixin, Engine):
             await settle(quiet_shutdown(self._llm), f"shutting down {self.name}")
         finally:
             self._llm = ClosedLLM()  # late calls fail with a clear error instead of reaching a dead engine
-            self._good.release()
+            await self._transport.close()
             remove_rpc_dir(self._rpc_dir)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from asyncrl.errors import EngineError
 
 ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
+
+log = logging.getLogger(__name__)
 
 
 class ClosedLLM:
@@ -50,6 +53,36 @@ def pending_outputs_probe(llm: Any) -> Callable[[], bool] | None:
                                         for st in states.values() if st.queue is not None)
 
     return pending
+
+
+def scoring_params() -> Any:
+    """``SamplingParams`` that score a prompt: each prompt token's log-prob at temperature 1, one token sampled."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+async def drain_outputs(llm: Any, name: str, timeout_s: float) -> None:
+    """Return once every output produced before a pause has been taken by its request's stream.
+
+    They precede the pause reply on the engine's socket, so they sit in the client's output queue or in
+    per-request collectors; when both are empty on two loop turns in a row (the output handler yields between
+    chunks), all were consumed. This matters where versions are tagged on arrival (vLLM < 0.32): a pre-pause
+    token must not be counted under the new version."""
+    pending = pending_outputs_probe(llm)
+    if pending is None:  # a vLLM without these internals: fall back to its own heuristic
+        await asyncio.sleep(0.02)
+        return
+    deadline = time.monotonic() + timeout_s
+    clean = 0
+    while clean < 2:
+        await asyncio.sleep(0)
+        clean = 0 if pending() else clean + 1
+        if time.monotonic() > deadline:
+            log.warning("outputs still pending %.1fs after pausing %s", timeout_s, name)
+            return
 
 
 class _ShutdownNotice(logging.Filter):

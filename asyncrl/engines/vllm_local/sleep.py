@@ -1,17 +1,17 @@
-"""vLLM sleep mode for ``VLLMEngine``: give the GPU memory to a colocated learner while it trains.
+"""Sleep/wake: the transport of an in-process engine that gives its GPU memory to a colocated learner while it
+trains (``VLLMEngineConfig.sleep``).
 
-``await engine.sleep()`` pauses the engine (``keep``: nothing in flight is lost, it is recomputed after the wake)
-and frees its GPU memory at ``VLLMEngineConfig.sleep``'s level (vLLM's levels: 1 keeps a host copy of the
-weights, 2 keeps nothing). The wake-up order is the one vLLM's RL examples and TRL's colocate mode use:
-weights first (``wake_up(tags=["weights"])``), then the update is loaded, then the KV cache (``["kv_cache"]``);
-vLLM resumes scheduling once both are resident.
+``sleep`` pauses the engine (``keep``: nothing in flight is lost, it is recomputed after the wake) and frees its
+GPU memory at vLLM's level (1 keeps a host copy of the weights, 2 keeps nothing). The wake-up order is the one
+vLLM's RL examples and TRL's colocate mode use: weights first (``wake_up(tags=["weights"])``), then the update is
+loaded, then the KV cache (``["kv_cache"]``); vLLM resumes scheduling once both are resident.
 
-WeightSync drives a sleeping engine through the unchanged ``WeightTarget`` calls: ``prepare`` validates and
-packs the update (CUDA IPC) without staging it into shadow parameters (nothing generates, so it can go straight
-into the live ones, and the shadows would take the memory sleeping freed), ``pause`` has nothing left to do,
-``load`` wakes the weights and loads, ``resume`` wakes the KV cache. ``wake()`` wakes without an update: the
-weights slept with at level 1; at level 2, whose weights are gone, the last loaded files where the engine
-publishes through files, else it refuses (``WeightUpdateError``): publish an update instead.
+It wraps the engine's awake transport (files or CUDA IPC) and takes over while the engine sleeps: ``stage``
+packs a CUDA IPC update without staging it into shadow parameters (nothing generates, so it can go straight into
+the live ones, and the shadows would take the memory sleeping freed), ``load`` wakes the weights and loads,
+``resume`` wakes the KV cache. ``wake()`` wakes without an update: the weights slept with at level 1; at level 2,
+whose weights are gone, the last loaded files where the engine publishes through files, else it refuses
+(``WeightUpdateError``): publish an update instead.
 
 On CPU vLLM's sleep only pauses the scheduler; the same calls run and free nothing.
 """
@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
-from asyncrl.engines.protocols import StagedInEngine, WeightUpdate
-from asyncrl.engines.vllm_local.ipc import free_snapshot, pack_update
+import torch
+
+from asyncrl.engines.transports.base import Transport, WeightTransport
+from asyncrl.engines.updates import WeightUpdate
+from asyncrl.engines.vllm_local.ipc import Rpc, free_snapshot, pack_update
+from asyncrl.engines.weights import ParamSpec
 from asyncrl.errors import EngineError, WeightUpdateError
 from asyncrl.types import PauseMode
-
-if TYPE_CHECKING:
-    from asyncrl.engines.vllm_local.config import VLLMEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class SleepCounters:
     wake_s: float = 0.0  # total time in wake_up calls, weights and KV cache (seconds)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Packed:
     """An update packed for the workers while the engine sleeps; loaded by ``load``, freed by ``release``."""
 
@@ -49,65 +51,121 @@ class _Packed:
     payload: bytes
 
 
-class SleepMixin:
-    """The sleep half of ``VLLMEngine`` (which provides the attributes declared here)."""
+@dataclass(frozen=True, slots=True)
+class SleepControl:
+    """The engine's calls sleeping needs (each raced against the engine's death)."""
 
-    # Also from VLLMEngine: _raise_if_dead, _call, _drain_outputs, _reload, _set_version, _manifest, _dtype.
-    name: str
-    _cfg: VLLMEngineConfig
-    _llm: Any
-    _ipc: bool
-    _good: Any
+    sleep: Callable[[int, str], Awaitable[Any]]  # vLLM's AsyncLLM.sleep(level, mode)
+    wake_up: Callable[[list[str] | None], Awaitable[Any]]  # AsyncLLM.wake_up(tags)
+    drain: Callable[[], Awaitable[None]]  # until outputs produced before the pause reached their streams
+    rpc: Rpc
 
-    def _init_sleep(self) -> None:
-        self._asleep = 0  # the level slept at; 0 = awake
+
+class AwakeTransport(WeightTransport, Protocol):
+    """What sleeping needs of the transport it wraps (files and CUDA IPC play it)."""
+
+    # While asleep, stage by packing for a direct load into the woken live weights (CUDA IPC), instead of
+    # staging as usual (files: the reload needs nothing resident).
+    direct_while_asleep: bool
+
+    async def before_sleep(self) -> None:
+        """Free what vLLM's sleep would not (CUDA IPC's shadows)."""
+        ...
+
+    async def reload_last(self) -> None:
+        """Load the last weights loaded again, into weights a deep sleep discarded; ``WeightUpdateError`` where
+        they are not kept."""
+        ...
+
+
+class SleepTransport(Transport):
+    """The awake transport, plus what sleeping changes; owns the engine's sleep state."""
+
+    kind = "sleep"
+
+    def __init__(self, engine: str, awake: AwakeTransport, control: SleepControl,
+                 manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> None:
+        self._engine = engine
+        self._awake = awake
+        self._control = control
+        self._manifest = manifest
+        self._dtype = dtype
+        self._level = 0  # the level slept at; 0 = awake
         self._weights_resident = True  # weights mapped in GPU memory
         self._weights_lost = False  # level 2: discarded and not loaded again yet
-        self._packed: dict[int, _Packed] = {}
-        self.sleep_counters = SleepCounters()
-
-    @property
-    def sleep_level(self) -> int:
-        """The level ``sleep()`` uses (``VLLMEngineConfig.sleep``); 0: this engine never sleeps."""
-        return self._cfg.sleep
+        self.counters = SleepCounters()
 
     @property
     def asleep(self) -> bool:
-        return self._asleep > 0
+        return self._level > 0
 
-    async def sleep(self, level: int | None = None) -> None:
-        """Pause and free the GPU memory at ``level`` (default ``VLLMEngineConfig.sleep``; 1 where a step will
-        not publish, since level 2 needs an update to wake). Requests sent meanwhile wait for the wake."""
-        level = self._cfg.sleep if level is None else level
-        if not self._cfg.sleep:
-            raise EngineError(self.name, "engine started without sleep mode (VLLMEngineConfig.sleep=0)")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        self._raise_if_dead()
-        if self._asleep:
+    async def sleep(self, level: int) -> None:
+        """Pause and free the GPU memory at ``level``. No-op when asleep."""
+        if self._level:
             return
         t0 = time.perf_counter()
-        if self._ipc:  # shadows live outside vLLM's pool: sleeping would not free them
-            await self._call(self._llm.collective_rpc("asyncrl_release_shadows"))
-        await self._call(self._llm.sleep(level, PauseMode.KEEP.value))
-        await self._drain_outputs()
-        self._asleep, self._weights_resident, self._weights_lost = level, False, level == 2
-        self.sleep_counters.sleeps += 1
-        self.sleep_counters.sleep_s += time.perf_counter() - t0
+        await self._awake.before_sleep()
+        await self._control.sleep(level, PauseMode.KEEP.value)
+        await self._control.drain()
+        self._level, self._weights_resident, self._weights_lost = level, False, level == 2
+        self.counters.sleeps += 1
+        self.counters.sleep_s += time.perf_counter() - t0
 
     async def wake(self) -> None:
         """Wake fully without an update (see the module docstring for level 2). No-op when awake."""
-        self._raise_if_dead()
-        if not self._asleep:
+        if not self._level:
             return
         if self._weights_lost:
-            if self._ipc:
-                raise WeightUpdateError(f"engine {self.name}: sleep level 2 discarded the weights and none were "
-                                        "loaded since; publish an update to wake it")
             await self._wake_weights()
-            await self._reload(self._good.path)
+            await self._awake.reload_last()
             self._weights_lost = False
         await self._wake_rest()
+
+    async def resume(self) -> bool:
+        """Wake the KV cache after a load (vLLM then resumes scheduling). False where the engine is awake."""
+        if not self._level:
+            return False
+        if self._weights_lost:  # a failed load: generating now would sample from discarded weights
+            log.error("engine %s stays asleep: its weights were not loaded", self._engine)
+            return True
+        await self._wake_rest()
+        return True
+
+    # -- the three phases --------------------------------------------------------------------------------------
+
+    async def stage(self, update: WeightUpdate) -> WeightUpdate:
+        if not (self._level and self._awake.direct_while_asleep):
+            return await self._awake.stage(update)
+        flat, payload = await pack_update(update, self._manifest, self._dtype)
+        return replace(update, staged=_Packed(flat, payload))
+
+    async def load(self, update: WeightUpdate) -> None:
+        if self._level:
+            await self._wake_weights()
+        if not isinstance(update.staged, _Packed):
+            await self._awake.load(update)
+            self._weights_lost = False
+            return
+        try:
+            await self._control.rpc("asyncrl_load_ipc", update.staged.payload)
+        except EngineError:
+            raise
+        except Exception as exc:  # the live weights may be half-written: the engine stays asleep until an update
+            self._weights_lost = True
+            raise WeightUpdateError(f"engine {self._engine}: loading version {update.version} into the woken "
+                                    f"weights failed ({exc!r}); it stays asleep until an update loads") from exc
+        self._weights_lost = False
+
+    def release(self, update: WeightUpdate) -> None:
+        if isinstance(update.staged, _Packed):
+            free_snapshot()
+        else:
+            self._awake.release(update)
+
+    async def close(self) -> None:
+        await self._awake.close()
+
+    # -- waking ------------------------------------------------------------------------------------------------
 
     async def _wake_weights(self) -> None:
         if not self._weights_resident:
@@ -116,54 +174,9 @@ class SleepMixin:
 
     async def _wake_rest(self) -> None:
         await self._timed_wake(["kv_cache"] if self._weights_resident else None)
-        self._asleep, self._weights_resident = 0, True
+        self._level, self._weights_resident = 0, True
 
     async def _timed_wake(self, tags: list[str] | None) -> None:
         t0 = time.perf_counter()
-        await self._call(self._llm.wake_up(tags=tags))
-        self.sleep_counters.wake_s += time.perf_counter() - t0
-
-    # -- the WeightTarget calls while asleep (VLLMEngine calls these first) ------------------------------------
-
-    async def _prepare_asleep(self, update: WeightUpdate) -> WeightUpdate | None:
-        """Pack a CUDA IPC update for ``_load_asleep``; None where the usual path applies (awake, or files)."""
-        if not (self._asleep and self._ipc):
-            return None
-        flat, payload = await pack_update(update, self._manifest, self._dtype)
-        self._packed[update.version] = _Packed(flat, payload)
-        return WeightUpdate(update.version, update.tensors, staged=StagedInEngine(update.version))
-
-    async def _load_asleep(self, update: WeightUpdate) -> bool:
-        """Wake the weights and load a packed update into them. False where the usual load applies (after
-        waking the weights, which it needs too)."""
-        if not self._asleep:
-            return False
-        await self._wake_weights()
-        packed = self._packed.get(update.version)
-        if packed is None:
-            return False
-        try:
-            await self._call(self._llm.collective_rpc("asyncrl_load_ipc", args=(packed.payload,)))
-        except EngineError:
-            raise
-        except Exception as exc:  # the live weights may be half-written: the engine stays asleep until an update
-            self._weights_lost = True
-            raise WeightUpdateError(f"engine {self.name}: loading version {update.version} into the woken "
-                                    f"weights failed ({exc!r}); it stays asleep until an update loads") from exc
-        self._weights_lost = False
-        await self._set_version(update.version)
-        return True
-
-    async def _resume_asleep(self) -> bool:
-        """Wake the KV cache after a load (vLLM then resumes scheduling). False where the engine is awake."""
-        if not self._asleep:
-            return False
-        if self._weights_lost:  # a failed load: generating now would sample from discarded weights
-            log.error("engine %s stays asleep: its weights were not loaded", self.name)
-            return True
-        await self._wake_rest()
-        return True
-
-    def _release_packed(self, update: WeightUpdate) -> None:
-        if self._packed.pop(update.version, None) is not None:
-            free_snapshot()
+        await self._control.wake_up(tags)
+        self.counters.wake_s += time.perf_counter() - t0

@@ -87,7 +87,8 @@ class ServerApi:
                 if resp.status != 200:
                     raise ServerStatusError(self.engine, f"{method} {url}: HTTP {resp.status}: {text[:500]}",
                                             resp.status)
-                return json.loads(text) if text else None
+                # Most endpoints answer JSON; a few (LoRA loading) a sentence, returned as it is.
+                return None if not text else json.loads(text) if resp.content_type == "application/json" else text
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(self.engine, f"{method} {url} failed: {exc!r}") from exc
 

@@ -1,4 +1,4 @@
-"""How to reach one vLLM server, and when to call it dead."""
+"""How to reach one vLLM server, when to call it dead, and how weights reach it."""
 
 from __future__ import annotations
 
@@ -6,10 +6,25 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config_base import PathStr, PositiveInt, Seconds, config
+from asyncrl.config_base import PathStr, PositiveInt, Seconds, config, require
+from asyncrl.engines.transports.adapters import LoraServingConfig
 from asyncrl.errors import ConfigError
+
+
+@config
+class NcclTransportConfig:
+    """Where the trainer side of vLLM's NCCL weight-transfer group lives."""
+
+    master_port: Annotated[int, Field(strict=True, gt=0, lt=65536, description=(
+        "free TCP port for the group's rendezvous store, hosted by this (trainer) process"))]
+    master_address: Annotated[str, Field(min_length=1, description=(
+        "this host, as the server's workers reach it"))] = "127.0.0.1"
+    device: Annotated[str, Field(pattern=r"^cuda", description=(
+        "the trainer's GPU, from which weights are broadcast (not one the server uses)"))] = "cuda:0"
+    init_timeout_s: Annotated[Seconds, Field(description=(
+        "group set-up (the workers join it inside /init_weight_transfer_engine)"))] = 300.0
 
 
 @config
@@ -39,6 +54,18 @@ class RemoteEngineConfig:
     staging_dir: Annotated[PathStr | None, Field(description=(
         "where updates are written for the server to read (same machine); None = /dev/shm when writable, "
         "else the temp dir"))] = None
+    lora: Annotated[LoraServingConfig | None, Field(description=(
+        "the server serves LoRA adapters on the frozen base (``vllm_remote.adapters.lora_server_args``): "
+        "publications carry the adapter alone and requests name it. None: publications replace every weight"))] = None
+    nccl: Annotated[NcclTransportConfig | None, Field(description=(
+        "publish by NCCL broadcast from this process's GPU (the server runs with --weight-transfer-config "
+        "'{\"backend\": \"nccl\"}'); None: staged files the server reloads (same machine)"))] = None
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> RemoteEngineConfig:
+        require(self.lora is None or self.nccl is None, self, "lora",
+                "adapters are loaded from files by the server: leave nccl unset")
+        return self
 
     @field_validator("base_url")
     @classmethod

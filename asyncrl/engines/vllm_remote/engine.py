@@ -13,35 +13,40 @@ at the number of tokens received when ``load`` bumped the version. Between the p
 samples nothing, so the split is exact unless a chunk sampled before the pause was still in transit when the
 version changed (the gap is the whole staging + reload, tens of milliseconds at least).
 
-Weights reach the server by default as a safetensors directory (same machine, CPU or GPU) that it reloads
-through ``/collective_rpc``: asyncrl's worker extension when the server loaded it (it keeps tied weights tied),
-else vLLM's ``reload_weights``. On GPU, ``nccl.NcclWeightTransport`` broadcasts them through vLLM's NCCL
-weight-transfer backend instead.
+Weights reach the server through the engine's one transport (``transports.base``), as its config declares:
+by default a safetensors directory (same machine, CPU or GPU) that it reloads through ``/collective_rpc``
+(asyncrl's worker extension when the server loaded it: it keeps tied weights tied; else vLLM's
+``reload_weights``); with ``RemoteEngineConfig.nccl``, a broadcast through vLLM's NCCL weight-transfer backend
+(``nccl.NcclTransport``); with ``RemoteEngineConfig.lora``, LoRA adapters loaded at run time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
 from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.common import completion_room, restore_good_weights
+from asyncrl.engines.common import completion_room
 from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
+from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
+from asyncrl.engines.transports.base import WeightTransport
+from asyncrl.engines.vllm_remote.adapters import RemoteAdapterPort
+from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_remote.config import RemoteEngineConfig, check_paths
+from asyncrl.engines.vllm_remote.nccl import NcclTransport
 from asyncrl.engines.vllm_remote.streaming import SampleBuilder, SseReader
-from asyncrl.engines.weights import (StagedWeights, manifest_dtype, read_manifest, staging_root, validate_and_stage,
-                                     validate_update)
-from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
+from asyncrl.engines.weights import manifest_dtype, read_manifest
+from asyncrl.errors import EngineError, PromptRejected
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -56,21 +61,6 @@ _KEEPALIVE_S = 2.0
 _RECHECKS_S = (0.05, 0.25, 1.0)
 
 
-class WeightTransport(Protocol):
-    """Moves validated weights into the server (the default, file reload, lives in the engine itself)."""
-
-    async def setup(self, api: ServerApi) -> None:
-        """Called once by ``RemoteVLLMEngine.connect``."""
-        ...
-
-    async def send(self, api: ServerApi, update: WeightUpdate) -> None:
-        """Load ``update`` into the (paused) server. A failure leaves the server's weights undefined."""
-        ...
-
-    async def close(self) -> None:
-        ...
-
-
 class RemoteVLLMEngine(Engine):
     """Sampler, weight target and lifecycle over a vLLM OpenAI server. Build it with ``await connect(cfg)``.
 
@@ -78,17 +68,15 @@ class RemoteVLLMEngine(Engine):
     starts or stops the server (``vllm_remote.process.start_vllm_server`` does that).
     """
 
-    def __init__(self, cfg: RemoteEngineConfig, api: ServerApi, info: ServerInfo, name: str,
-                 transport: WeightTransport | None = None) -> None:
+    def __init__(self, cfg: RemoteEngineConfig, api: ServerApi, info: ServerInfo, name: str) -> None:
         self._cfg = cfg
         self._api = api
         self._info = info
         self.name = name
-        self._transport = transport
         self._version = 0
-        self._manifest = read_manifest(cfg.model_dir)
-        # The last weights fully loaded, restored after a failed reload (the checkpoint itself at first).
-        self._good = StagedWeights(Path(cfg.model_dir), owned=False)
+        self._nccl: NcclTransport | None = None  # with RemoteEngineConfig.nccl: its group is formed at connect
+        self._adapters: AdapterTransport | None = None  # with RemoteEngineConfig.lora
+        self._transport = self._make_transport()
         self._inflight: dict[int, SampleBuilder] = {}  # open streams, by a counter (request ids may repeat)
         self._next_stream = 0
         self._requests = 0  # samples requested, ever
@@ -96,9 +84,21 @@ class RemoteVLLMEngine(Engine):
         self._closed = False
         self._death = Death()  # declared by the first health check that finds the server gone
 
+    def _make_transport(self) -> WeightTransport:
+        """The engine's one weight transport, as its configuration declares it."""
+        manifest = read_manifest(self._cfg.model_dir)
+        root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else None
+        if self._cfg.lora is not None:
+            self._adapters = AdapterTransport(self.name, RemoteAdapterPort(self._api), manifest, self._cfg.lora,
+                                              manifest_dtype(manifest), root)
+            return self._adapters
+        if self._cfg.nccl is not None:
+            self._nccl = NcclTransport(self.name, self._api, self._cfg.nccl, manifest)
+            return self._nccl
+        return FileTransport(self.name, self._reload, self._cfg.model_dir, manifest_dtype(manifest), root=root)
+
     @classmethod
-    async def connect(cls, cfg: RemoteEngineConfig, *, name: str | None = None,
-                      transport: WeightTransport | None = None) -> RemoteVLLMEngine:
+    async def connect(cls, cfg: RemoteEngineConfig, *, name: str | None = None) -> RemoteVLLMEngine:
         """Open a session to the server, check it serves ``cfg.model``, and set its weight version to 0."""
         check_paths(cfg)
         name = name or cfg.base_url
@@ -108,10 +108,10 @@ class RemoteVLLMEngine(Engine):
                                         headers=headers)
         api = ServerApi(session, cfg, name)
         try:
-            engine = cls(cfg, api, await server_info(api), name, transport)
+            engine = cls(cfg, api, await server_info(api), name)
             await engine._set_version(0)
-            if transport is not None:
-                await transport.setup(api)
+            if engine._nccl is not None:
+                await engine._nccl.open()
         except BaseException:
             await api.close()
             raise
@@ -170,8 +170,18 @@ class RemoteVLLMEngine(Engine):
         return body
 
     async def _one(self, body: dict[str, Any]) -> Sample:
+        with self._hold_adapter() as adapter:
+            if adapter is not None:  # the adapter is served as a model of its own; all its tokens are its version
+                return await self._stream({**body, "model": adapter.name}, lambda: adapter.version)
+            return await self._stream(body, lambda: self._version)
+
+    def _hold_adapter(self) -> contextlib.AbstractContextManager[ServedAdapter | None]:
+        return self._adapters.hold() if self._adapters is not None else contextlib.nullcontext()
+
+    async def _stream(self, body: dict[str, Any], version: Callable[[], int]) -> Sample:
+        """One streamed sample; each chunk is tagged with ``version()`` as it arrives."""
         request_id = body["request_id"]
-        builder = SampleBuilder(self.name, request_id, self._version)
+        builder = SampleBuilder(self.name, request_id, version())
         stream = self._next_stream
         self._next_stream += 1
         self._inflight[stream] = builder
@@ -186,7 +196,7 @@ class RemoteVLLMEngine(Engine):
                     raise self._refusal(resp.status, await resp.text(), request_id)
                 reader = SseReader(resp.content)
                 while (event := await self._watched(reader.next_event())) is not None:
-                    builder.add(event, self._version)
+                    builder.add(event, version())
         except asyncio.CancelledError:
             # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
             await asyncio.shield(self._abort_on_server(request_id))
@@ -235,14 +245,18 @@ class RemoteVLLMEngine(Engine):
 
     async def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Log-prob of each token after the first given the tokens before it, at temperature 1 (for checks
-        and evaluation; no role's Protocol needs it)."""
+        and evaluation, and what a publication is checked with: under the adapter served now, if any)."""
         self._raise_if_closed()
-        out = await self._api.post("/v1/completions", body={
-            "model": self._cfg.model, "prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0,
-            "temperature": 1.0, "return_tokens_as_token_ids": True,
-        })
+        with self._hold_adapter() as adapter:
+            out = await self._api.post("/v1/completions", body={
+                "model": self._cfg.model if adapter is None else adapter.name, "prompt": list(token_ids),
+                "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0, "return_tokens_as_token_ids": True,
+            })
         steps = out["choices"][0]["prompt_logprobs"][1:]
         return [float(step[str(tok)]["logprob"]) for tok, step in zip(token_ids[1:], steps, strict=True)]
+
+    async def score(self, token_ids: Sequence[int]) -> dict[str, list[float]]:
+        return {self.name: await self.prompt_logprobs(token_ids)}
 
     # -- weight target -------------------------------------------------------------------------------------
 
@@ -270,19 +284,12 @@ class RemoteVLLMEngine(Engine):
                     await self._api.post("/resume")
 
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
-        """Validate (and, for file reloads, stage) before the pause. A pool member's staging is adopted."""
-        if self._transport is not None:
-            await asyncio.to_thread(validate_update, update.tensors, self._manifest)
-            return update
-        if isinstance(update.staged, StagedWeights):
-            return replace(update, staged=update.staged.acquire())
-        root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else staging_root()
-        staged = await validate_and_stage(update.tensors, self._manifest, manifest_dtype(self._manifest), root)
-        return replace(update, staged=staged)
+        """Check (and, for file reloads, stage) through the engine's transport before the pause. A pool member's
+        staging is adopted."""
+        return await self._transport.stage(update)
 
     def release(self, update: WeightUpdate) -> None:
-        if isinstance(update.staged, StagedWeights):
-            update.staged.release()
+        self._transport.release(update)
 
     async def load(self, update: WeightUpdate) -> None:
         """Load a prepared update; runs to its end even if the caller is cancelled meanwhile."""
@@ -290,39 +297,14 @@ class RemoteVLLMEngine(Engine):
         await settle(self._load(update), f"loading version {update.version} into {self.name}")
 
     async def _load(self, update: WeightUpdate) -> None:
-        if self._transport is not None:
-            await self._load_through_transport(update)
-        elif isinstance(update.staged, StagedWeights):
-            await self._load_from_files(update.staged)
-        else:
-            raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
+        await self._transport.load(update)
         await self._set_version(update.version)
-
-    async def _load_from_files(self, staged: StagedWeights) -> None:
-        try:
-            await self._reload(staged.path)
-        except Exception as exc:
-            await restore_good_weights(self.name, self._reload, self._good.path, exc)
-            raise WeightUpdateError(f"engine {self.name}: weight reload failed ({exc}); previous weights "
-                                    f"restored, version stays {self._version}") from exc
-        previous, self._good = self._good, staged.acquire()
-        previous.release()
 
     async def _reload(self, weights_dir: Path) -> None:
         await self._api.post("/collective_rpc", body={
             "method": self._info.reload_method, "kwargs": {"weights_path": str(weights_dir)},
             "timeout": self._cfg.request_timeout_s,
         })
-
-    async def _load_through_transport(self, update: WeightUpdate) -> None:
-        assert self._transport is not None
-        try:
-            await self._transport.send(self._api, update)
-        except (EngineError, WeightUpdateError):
-            raise
-        except Exception as exc:
-            raise EngineError(self.name, f"weight transfer failed ({exc!r}); the server's weights are "
-                                         f"undefined") from exc
 
     async def _set_version(self, version: int) -> None:
         if self._info.stamps_versions:
@@ -369,8 +351,6 @@ class RemoteVLLMEngine(Engine):
         self._closed = True
         self._death.declare(EngineError(self.name, "engine is closed"))
         try:
-            if self._transport is not None:
-                await self._transport.close()
+            await self._transport.close()
         finally:
             await self._api.close()
-            self._good.release()

@@ -1,8 +1,14 @@
-"""vLLM's NCCL weight-transfer backend as a ``WeightTransport`` for ``RemoteVLLMEngine`` (GPU servers).
+"""NCCL broadcast to a GPU server: vLLM's NCCL weight-transfer backend as a ``RemoteVLLMEngine``'s transport
+(``RemoteEngineConfig.nccl``).
 
-The server runs with ``--weight-transfer-config '{"backend": "nccl"}'``; this process joins the transfer group
-as rank 0 and broadcasts every tensor from its own GPU, which must not be one the server uses (NCCL does not
-put two ranks on one device).
+The server runs with ``--weight-transfer-config '{"backend": "nccl"}'``; this process joins the transfer group as
+rank 0 and broadcasts every tensor from its own GPU, which must not be one the server uses (NCCL does not put
+two ranks on one device). The server's workers (ranks 1..) load them with the layerwise-reload path.
+
+The names, dtypes and shapes are announced first (from the file headers for staged files, so no data is read
+for them); then each tensor is read, moved to the GPU and broadcast in turn, so the sender never holds more than
+one tensor of the update that was not on its GPU already. Only the payload fields common to vLLM 0.26 and 0.32
+are sent: one broadcast per tensor.
 """
 
 from __future__ import annotations
@@ -10,57 +16,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Annotated, Any
-
-from pydantic import Field
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
 
 from asyncrl.aio import together
-from asyncrl.config_base import Seconds, config
-from asyncrl.engines.protocols import WeightUpdate
+from asyncrl.engines.transports.base import Transport
+from asyncrl.engines.updates import AdapterWeights, file_specs, WeightUpdate
 from asyncrl.engines.vllm_remote.api import ServerApi
-from asyncrl.errors import WeightUpdateError
+from asyncrl.engines.vllm_remote.config import NcclTransportConfig
+from asyncrl.engines.weights import ParamSpec, check_specs, torch_dtype, validate_update
+from asyncrl.errors import EngineError, WeightUpdateError
+
+__all__ = ["NcclTransport", "NcclTransportConfig"]
 
 log = logging.getLogger(__name__)
 
 
-@config
-class NcclTransportConfig:
-    """Where the trainer side of vLLM's NCCL weight-transfer group lives."""
+class NcclTransport(Transport):
+    """Check before the pause; broadcast under it through the server's four-phase weight-update endpoints."""
 
-    master_port: Annotated[int, Field(strict=True, gt=0, lt=65536, description=(
-        "free TCP port for the group's rendezvous store, hosted by this (trainer) process"))]
-    master_address: Annotated[str, Field(min_length=1, description=(
-        "this host, as the server's workers reach it"))] = "127.0.0.1"
-    device: Annotated[str, Field(pattern=r"^cuda", description=(
-        "the trainer's GPU, from which weights are broadcast (not one the server uses)"))] = "cuda:0"
-    init_timeout_s: Annotated[Seconds, Field(description=(
-        "group set-up (the workers join it inside /init_weight_transfer_engine)"))] = 300.0
+    kind = "nccl"
 
-
-class NcclWeightTransport:
-    """Publishes weights through the four-phase endpoints and vLLM's NCCL weight-transfer backend.
-
-    The server must run on GPU with ``--weight-transfer-config '{"backend": "nccl"}'``. This process joins the
-    group as rank 0 and broadcasts every tensor; the server's workers (ranks 1..) load them with the
-    layerwise-reload path. Only the payload fields common to vLLM 0.26 and 0.32 are sent, so transfers are
-    unpacked (one broadcast per tensor; both versions' workers default to that).
-    """
-
-    def __init__(self, cfg: NcclTransportConfig) -> None:
+    def __init__(self, engine: str, api: ServerApi, cfg: NcclTransportConfig,
+                 manifest: Mapping[str, ParamSpec]) -> None:
+        self._engine = engine
+        self._api = api
         self._cfg = cfg
+        self._manifest = manifest
         self._group: Any = None  # vLLM PyNcclCommunicator
 
-    async def setup(self, api: ServerApi) -> None:
-        workers = int((await api.get("/get_world_size"))["world_size"])
+    async def open(self) -> None:
+        """Form the transfer group with the server's workers."""
+        workers = int((await self._api.get("/get_world_size"))["world_size"])
         rendezvous = {"master_address": self._cfg.master_address, "master_port": self._cfg.master_port,
                       "world_size": workers + 1}
         init_info = {**rendezvous, "rank_offset": 1}  # the workers take the ranks after ours
         # The workers block inside init_weight_transfer_engine until rank 0 (us) joins: run both at once.
         async with asyncio.timeout(self._cfg.init_timeout_s):
             _, self._group = await together(
-                api.post("/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=math.inf),
+                self._api.post("/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=math.inf),
                 asyncio.to_thread(self._join, rendezvous))
-        log.info("NCCL weight-transfer group with %s ready (%d workers)", api.base_url, workers)
+        log.info("NCCL weight-transfer group with %s ready (%d workers)", self._api.base_url, workers)
 
     def _join(self, rendezvous: dict[str, Any]) -> Any:
         import torch
@@ -69,30 +66,63 @@ class NcclWeightTransport:
         torch.cuda.set_device(self._cfg.device)  # trainer_init opens the group on the current device
         return trainer_init(rendezvous)
 
-    async def send(self, api: ServerApi, update: WeightUpdate) -> None:
+    async def stage(self, update: WeightUpdate) -> WeightUpdate:
+        """Checks only: the tensors travel under the pause."""
+        if isinstance(update.source, AdapterWeights):
+            raise WeightUpdateError(f"engine {self._engine} serves full weights and cannot load a LoRA adapter")
+        specs = file_specs(update.source)
+        if specs is not None:
+            check_specs(specs, self._manifest)
+        else:
+            await asyncio.to_thread(validate_update, update.tensors, self._manifest)
+        return replace(update, staged=update.version)
+
+    async def load(self, update: WeightUpdate) -> None:
         if self._group is None:
             raise WeightUpdateError("NCCL weight transport is not set up")
-        names = list(update.tensors)
-        tensors = [update.tensors[n] for n in names]
-        info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors]}
-        await api.post("/start_weight_update")
-        # /update_weights returns once the workers have received (and loaded) every broadcast tensor.
-        await together(api.post("/update_weights", body={"update_info": info}, timeout_s=math.inf),
-                        asyncio.to_thread(self._broadcast, tensors))
-        await api.post("/finish_weight_update", body={"weight_version": str(update.version)})
+        if update.staged != update.version:
+            raise WeightUpdateError(f"engine {self._engine}: version {update.version} was not prepared")
+        tensors, specs = update.tensors, file_specs(update.source)
+        names = list(tensors)
+        try:
+            await self._api.post("/start_weight_update")
+            # /update_weights returns once the workers have received (and loaded) every broadcast tensor.
+            info = {"names": names, **_layout(tensors, names, specs)}
+            await together(
+                self._api.post("/update_weights", body={"update_info": info}, timeout_s=math.inf),
+                asyncio.to_thread(self._broadcast, tensors, names))
+            await self._api.post("/finish_weight_update", body={"weight_version": str(update.version)})
+        except (EngineError, WeightUpdateError):
+            raise
+        except Exception as exc:
+            raise EngineError(self._engine, f"weight transfer failed ({exc!r}); the server's weights are "
+                                            f"undefined") from exc
 
-    def _broadcast(self, tensors: list[Any]) -> None:
+    def _broadcast(self, tensors: Mapping[str, Any], names: list[str]) -> None:
         import torch
 
         torch.cuda.set_device(self._cfg.device)
         stream = torch.cuda.current_stream()
-        for tensor in tensors:
+        for name in names:
+            source = tensors[name]
             # NCCL sends numel elements from data_ptr(): the tensor must be contiguous and on our device.
-            self._group.broadcast(tensor.detach().to(self._cfg.device).contiguous(), src=0, stream=stream)
+            tensor = source.detach().to(self._cfg.device).contiguous()
+            self._group.broadcast(tensor, src=0, stream=stream)
+            if tensor.data_ptr() != source.data_ptr():
+                stream.synchronize()  # a copy made here: the broadcast must be done with it before it is freed
         stream.synchronize()
 
     async def close(self) -> None:
         group, self._group = self._group, None
         if group is not None and hasattr(group, "destroy"):
             await asyncio.to_thread(group.destroy)
+
+
+def _layout(tensors: Mapping[str, Any], names: list[str], specs: Mapping[str, ParamSpec] | None
+            ) -> dict[str, list[Any]]:
+    """Dtype names and shapes, from the staged files' headers where there are some (no tensor read)."""
+    if specs is not None:
+        return {"dtype_names": [str(torch_dtype(specs[n].dtype)).removeprefix("torch.") for n in names],
+                "shapes": [list(specs[n].shape) for n in names]}
+    return {"dtype_names": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(tensors[n].shape) for n in names]}

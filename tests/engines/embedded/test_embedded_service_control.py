@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.config import ConfigError, SyncConfig
 from asyncrl.engines.embedded import ControlError, EngineControl, RemoteControlEngine, engine_control_routes
@@ -172,7 +173,7 @@ async def test_remote_control_engine_drives_the_standard_weight_sync(model_dir: 
             assert list(staging.iterdir()) == []  # the staged copy was deleted once the service read it
             await remote.check_alive()
             with pytest.raises(WeightUpdateError, match="NaN"):  # refused here, nothing sent
-                await remote.prepare(WeightUpdate(2, {**new, "layer.bias": torch.full((3,), torch.nan)}))
+                await remote.prepare(WeightUpdate(2, InMemory({**new, "layer.bias": torch.full((3,), torch.nan)})))
             # version, prepare + pause + weights + resume, health
             assert control.counters["weights_200"] == 1 and control.counters.total() == 6
             engine.manifest = {**engine.manifest, "extra.weight": ParamSpec((1,), "F32")}
@@ -180,7 +181,7 @@ async def test_remote_control_engine_drives_the_standard_weight_sync(model_dir: 
                 await WeightSync(remote, clock, SyncConfig()).publish(new, version=2)  # refused by the service
             assert control.counters["prepare_409"] == 1 and control.counters["pause_200"] == 1  # before pausing
             with pytest.raises(WeightUpdateError, match="was not prepared"):
-                await remote.load(WeightUpdate(2, new))  # only a prepared update loads: refused, nothing sent
+                await remote.load(WeightUpdate(2, InMemory(new)))  # only a prepared update loads: refused, nothing sent
             assert remote.version == engine.version == clock.served == 1 and list(staging.iterdir()) == []
         finally:
             await remote.close()

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl import LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
 from asyncrl.config import SamplingConfig as Sampling
 from asyncrl.engines import weights
@@ -129,7 +130,7 @@ async def test_update_failing_part_way_restores_previous_weights(vllm_engine, ti
     await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
         with pytest.raises(WeightUpdateError, match="restored"):
-            await apply_update(vllm_engine, WeightUpdate(version + 1, bad))
+            await apply_update(vllm_engine, WeightUpdate(version + 1, InMemory(bad)))
     finally:
         await vllm_engine.resume()
     assert vllm_engine.version == version

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl.algorithms.logprobs import completion_logprobs
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import StagedInEngine, WeightUpdate, WeightUpdateError
@@ -74,7 +75,7 @@ async def _keep_sync_then_abort(engine, learner, prompt, params, transfer) -> No
     long = SamplingConfig(n=2, max_tokens=200, ignore_eos=True)
     task = asyncio.create_task(engine.generate(prompt, long, "keep"))
     await _first_token_seen(engine)
-    update = await engine.prepare(WeightUpdate(1, state_dict_for_engine(learner)))
+    update = await engine.prepare(WeightUpdate(1, InMemory(state_dict_for_engine(learner))))
     assert isinstance(update.staged, StagedInEngine if transfer == "cuda_ipc" else StagedWeights)
     await load_paused(engine, update)
     kept = await task
@@ -98,15 +99,15 @@ async def _bad_updates_refused(engine, learner, prompt, params, transfer) -> Non
     name = next(iter(good))
     nan = dict(good, **{name: torch.full_like(good[name], float("nan"))})
     with pytest.raises(WeightUpdateError, match="NaN"):
-        await engine.prepare(WeightUpdate(2, nan))
+        await engine.prepare(WeightUpdate(2, InMemory(nan)))
     with pytest.raises(WeightUpdateError, match="shape"):
-        await engine.prepare(WeightUpdate(2, dict(good, **{name: good[name][:1]})))
+        await engine.prepare(WeightUpdate(2, InMemory(dict(good, **{name: good[name][:1]}))))
     assert engine.version == 1
     # A staged version other than the one committed is refused without touching the weights.
     if transfer == "cuda_ipc":
-        await engine.prepare(WeightUpdate(3, good))
+        await engine.prepare(WeightUpdate(3, InMemory(good)))
         with pytest.raises(WeightUpdateError):
-            await engine.load(WeightUpdate(4, good, staged=StagedInEngine(4)))
+            await engine.load(WeightUpdate(4, InMemory(good), staged=StagedInEngine(4)))
         assert engine.version == 1
     after = await engine.generate(prompt, params, "after-refusals")
     assert _mean_diff(learner, prompt, after) < BF16_MEAN_ATOL
@@ -117,7 +118,7 @@ async def _syncs_leave_no_memory(engine, good) -> None:
     nbytes = sum(t.numel() * 2 for t in good.values())  # one bfloat16 snapshot
     base = torch.cuda.memory_allocated()
     for version in range(5, 8):
-        await load_paused(engine, await engine.prepare(WeightUpdate(version, good)))
+        await load_paused(engine, await engine.prepare(WeightUpdate(version, InMemory(good))))
     assert engine.version == 7 and torch.cuda.memory_allocated() - base < nbytes
 
 

@@ -67,8 +67,7 @@ def _perturbed(model_dir, seed: int):
 @MODULE_LOOP
 async def test_engine_without_sleep_mode_refuses_to_sleep(tiny_model_dir):
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM needed: refused before anything is called
-    engine._cfg, engine.name = engine_config(tiny_model_dir), "awake"
-    engine._init_sleep()
+    engine._cfg, engine.name, engine._sleep = engine_config(tiny_model_dir), "awake", None
     assert isinstance(engine, WeightTarget) and engine.sleep_level == 0
     from asyncrl.errors import EngineError
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.protocols import WeightUpdate, WeightUpdateError
 from asyncrl.engines.weights import state_dict_for_engine
@@ -75,7 +76,8 @@ async def test_keep_pause_freezes_then_continues_under_new_version(vllm_engine, 
     await _first_token_seen(vllm_engine)
     await vllm_engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
-        await apply_update(vllm_engine, WeightUpdate(old + 1, state_dict_for_engine(load_hf_model(tiny_model_dir))))
+        base = state_dict_for_engine(load_hf_model(tiny_model_dir))
+        await apply_update(vllm_engine, WeightUpdate(old + 1, InMemory(base)))
         assert not task.done(), "kept requests stay frozen while paused"
     finally:
         await vllm_engine.resume()
@@ -131,7 +133,7 @@ async def test_bad_updates_are_refused_and_version_stays(vllm_engine, tiny_model
     }
     for label, tensors in bad_cases.items():
         with pytest.raises(WeightUpdateError):
-            await apply_update(vllm_engine, WeightUpdate(version + 1, tensors))
+            await apply_update(vllm_engine, WeightUpdate(version + 1, InMemory(tensors)))
         assert vllm_engine.version == version, label
     [s] = await vllm_engine.generate(_prompt(tokenizer), SamplingConfig(n=1, max_tokens=4), request_id="after-bad")
     assert s.newest_version == version

@@ -8,6 +8,7 @@ One server, ``server_a`` (conftest.py), is started for the whole module (~30 s o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -16,10 +17,11 @@ import pytest
 import pytest_asyncio
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl.config import ConfigError, EpisodeConfig, ProducerConfig, SamplingConfig
 from asyncrl.engines.protocols import Engine, PromptRejected, WeightUpdate, WeightUpdateError
 from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine
-from asyncrl.engines.vllm_remote.nccl import NcclTransportConfig, NcclWeightTransport
+from asyncrl.engines.vllm_remote import NcclTransportConfig
 from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, start_vllm_server
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.episodes import EpisodeRunner, StepResult, turn_slices
@@ -232,7 +234,7 @@ async def _keep_pause_round(engine: RemoteVLLMEngine, base: dict[str, torch.Tens
         frozen = engine.inflight()
         await asyncio.sleep(1.0)
         assert engine.inflight() == frozen, "tokens arrived while paused"
-        await apply_update(engine, WeightUpdate(version=old + 1, tensors=base))  # same weights, new version
+        await apply_update(engine, WeightUpdate(old + 1, InMemory(base)))  # same weights, new version
     finally:
         await engine.resume()
     samples = await asyncio.wait_for(task, 60)
@@ -298,7 +300,7 @@ async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf
 
     await engine.pause(PauseMode.KEEP, clear_cache=True)
     try:
-        await apply_update(engine, WeightUpdate(version=2, tensors=state_dict_for_engine(learner)))
+        await apply_update(engine, WeightUpdate(2, InMemory(state_dict_for_engine(learner))))
     finally:
         await engine.resume()
     assert engine.version == 2
@@ -314,7 +316,7 @@ async def test_weight_sync_matches_learner_logprobs(engine: RemoteVLLMEngine, hf
     bad = dict(state_dict_for_engine(hf_model))
     bad["model.norm.weight"] = torch.ones(3)
     with pytest.raises(WeightUpdateError, match="model.norm.weight"):
-        await apply_update(engine, WeightUpdate(version=3, tensors=bad))
+        await apply_update(engine, WeightUpdate(3, InMemory(bad)))
     assert engine.version == 2
     assert await engine.prompt_logprobs(SEQS[0]) == after[0]
 
@@ -332,8 +334,8 @@ async def test_nccl_transport_publishes_weights(model_dir: Path, hf_model: torch
     # off (the host's GPUs are shared).
     env = {"CUDA_VISIBLE_DEVICES": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     async with start_vllm_server(model_dir, free_port(), extra_args=args, env=env) as server:
-        transport = NcclWeightTransport(NcclTransportConfig(master_port=free_port(), device="cuda:1"))
-        engine = await RemoteVLLMEngine.connect(_cfg(server, model_dir), name="gpu", transport=transport)
+        nccl = NcclTransportConfig(master_port=free_port(), device="cuda:1")
+        engine = await RemoteVLLMEngine.connect(dataclasses.replace(_cfg(server, model_dir), nccl=nccl), name="gpu")
         try:
             for version, model in ((1, _perturbed(hf_model, seed=3)), (2, hf_model)):
                 want = [_hf_logprobs(model, ids) for ids in SEQS]
@@ -344,7 +346,7 @@ async def test_nccl_transport_publishes_weights(model_dir: Path, hf_model: torch
                 await engine.pause(PauseMode.KEEP, clear_cache=True)
                 try:
                     t1 = time.perf_counter()
-                    await apply_update(engine, WeightUpdate(version=version, tensors=tensors))
+                    await apply_update(engine, WeightUpdate(version, InMemory(tensors)))
                     t2 = time.perf_counter()
                 finally:
                     await engine.resume()

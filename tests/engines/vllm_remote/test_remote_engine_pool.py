@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from asyncrl.engines.updates import InMemory
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.pool import EnginePool, PoolConfig
@@ -77,17 +78,17 @@ async def test_pool_reports_or_drops_a_dead_member() -> None:
         await strict.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")
     assert err.value.engine == "b"
     with pytest.raises(EngineError) as err:
-        await apply_update(strict, WeightUpdate(version=1, tensors={"w": torch.zeros(1)}))
+        await apply_update(strict, WeightUpdate(1, InMemory({"w": torch.zeros(1)})))
     assert err.value.engine == "b" and "update to version 1" in str(err.value)
     assert (a.version, b.version, strict.version) == (1, 0, 0)  # a alone moved on
 
     (s,) = await tolerant.generate((1, 2), SamplingConfig(n=1, max_tokens=2), "r")  # b fails, a serves
     assert s.finish_reason is FinishReason.LENGTH and tolerant.live == ("a",)
     assert tolerant.metrics()["engine/dead"] == 1
-    await apply_update(tolerant, WeightUpdate(version=2, tensors={"w": torch.zeros(1)}))
+    await apply_update(tolerant, WeightUpdate(2, InMemory({"w": torch.zeros(1)})))
     assert tolerant.version == 2
     with pytest.raises(WeightUpdateError, match=r"refused by \['a'\]"):
-        await apply_update(tolerant, WeightUpdate(version=3, tensors={"w": object()}))  # type: ignore[dict-item]
+        await apply_update(tolerant, WeightUpdate(3, InMemory({"w": object()})))  # type: ignore[dict-item]
     assert tolerant.version == 2
     b.alive = a.alive = False
     with pytest.raises(EngineError, match="every engine stopped answering"):
@@ -112,7 +113,7 @@ async def test_pool_spreads_requests_and_updates_every_member(
 
         learner = _perturbed(hf_model, seed=2)
         before = _staging_dirs()
-        prepared = await pool.prepare(WeightUpdate(version=7, tensors=state_dict_for_engine(learner)))
+        prepared = await pool.prepare(WeightUpdate(7, InMemory(state_dict_for_engine(learner))))
         assert len(_staging_dirs() - before) == 1, "N servers on one host share one staged copy"
         await load_paused(pool, prepared)
         assert pool.version == 7 and all(m.version == 7 for m in members)

@@ -72,7 +72,7 @@ async def lead(out: Path, backend):  # type: ignore[no-untyped-def]
 
 def keep_weights(backend, where: Path) -> None:  # type: ignore[no-untyped-def]
     staged = backend.publication_state()
-    shutil.copytree(staged.staged.path, where)
+    shutil.copytree(staged.buckets.staged.path, where)
     backend.release(staged)
 
 

@@ -50,19 +50,19 @@ async def lead(args: argparse.Namespace, out: Path, backend) -> dict:  # type: i
     batches: list = []
     record(backend, out, batches)
     if args.fake:
-        pool = target = FakeEngine(token_delay_s=0.001)
+        pool = FakeEngine(token_delay_s=0.001)
     else:
-        pool, target = await example.connect(args, args.servers.split(","), backend.ctx.local_rank)
+        pool = await example.connect(args, args.servers.split(","), backend.ctx.local_rank)
     losses: list[float] = []
     norms: list[float] = []
     pipe = sharded_pipeline(pool, backend, example.prompts(args), example.reward_fn(args),
-                            example.pipeline_config(args), target=target, close_engine=False)
+                            example.pipeline_config(args), close_engine=False)
     pipe.learner.hooks.append(lambda step, m: (losses.append(m["loss/total"]), norms.append(m["train/grad_norm"]),
                                                print(json.dumps({"event": "step", "step": step}), flush=True)))
     try:
         result = await pipe.run(args.steps)
         final = await asyncio.to_thread(backend.publication_state)  # every rank gathers; rank 0 stages
-        shutil.copytree(final.staged.path, out / "final")
+        shutil.copytree(final.buckets.staged.path, out / "final")
         backend.release(final)
         logprobs = [] if args.fake else [await pool._members[0].engine.prompt_logprobs(s) for s in SEQS]
     finally:

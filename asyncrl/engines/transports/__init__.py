@@ -1,0 +1,8 @@
+"""The one seam weights cross into an engine (``base.WeightTransport``: stage, load, release) and the transports
+every kind of engine can use: staged files (``files``) and LoRA adapters (``adapters``). The transports tied to
+one engine live with it: CUDA IPC into shadow parameters and sleep/wake (``vllm_local``), NCCL broadcast to
+servers (``vllm_remote.nccl``)."""
+
+from asyncrl.engines.transports.base import Transport, WeightTransport
+
+__all__ = ["Transport", "WeightTransport"]

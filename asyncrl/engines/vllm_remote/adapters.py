@@ -1,0 +1,35 @@
+"""A vLLM server's side of LoRA publication (``transports.adapters``): its run-time adapter endpoints.
+
+The server runs with ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in its
+environment (``lora_server_args`` gives both, for ``start_vllm_server``). An adapter is served under its name: a request
+names it as its ``model``.
+"""
+
+from __future__ import annotations
+
+from asyncrl.engines.transports.adapters import AdapterPort, LoraServingConfig, ServedAdapter
+from asyncrl.engines.vllm_remote.api import ServerApi
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def lora_server_args(serving: LoraServingConfig) -> tuple[list[str], dict[str, str]]:
+    """The command-line flags and environment a server needs to take adapters at run time."""
+    args = ["--enable-lora", "--max-lora-rank", str(serving.max_rank), "--max-loras", str(serving.max_loras),
+            "--max-cpu-loras", str(serving.max_cpu_loras)]
+    return args, {RUNTIME_LORA_ENV: "True"}
+
+
+class RemoteAdapterPort(AdapterPort):
+    def __init__(self, api: ServerApi) -> None:
+        self._api = api
+
+    async def add(self, adapter: ServedAdapter) -> None:
+        await self._api.post("/v1/load_lora_adapter", body={"lora_name": adapter.name, "lora_path": str(adapter.path)})
+
+    async def remove(self, adapter: ServedAdapter) -> None:
+        await self._api.post("/v1/unload_lora_adapter", body={"lora_name": adapter.name})
+
+    async def holds(self, adapter: ServedAdapter) -> bool:
+        models = await self._api.get("/v1/models")
+        return any(model.get("id") == adapter.name for model in models.get("data", ()))
