@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27's GPU measurements, under a time budget (default 560 s: a command ends within 10 minutes). Steps, in
 # the order given (default: all):
-#   tests   the GPU tests of the CUDA IPC path and of LoRA publication (pytest -m gpu)
+#   tests   the GPU tests of the in-process engine's transports: CUDA IPC, files, sleep/wake, LoRA (pytest -m gpu)
 #   ipc     python -m bench.cpu.weight_sync --sizes 1gib: the CUDA IPC pause after the transport refactor
 #   lora05  python -m bench.gpu.lora on the 0.5B shape: LoRA against full fine-tuning, side by side
 #   lora15  the same on the 1.5B shape
@@ -19,8 +19,8 @@ T0=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - T0) - 10 )); }
 LORA=(-m bench.gpu.lora --out "$OUT" --steps "${LORA_STEPS:-12}")
 for s in $STEPS; do case $s in
-  tests) step tests "$(left)" "$PY" -m pytest -o addopts="" -q -m gpu tests/lora/test_lora_gpu.py \
-      tests/engines/vllm_local/test_gpu.py -k "lora or pause_modes";;
+  tests) step tests "$(left)" "$PY" -m pytest -o addopts="" -v --no-header -m gpu tests/lora/test_lora_gpu.py \
+      tests/engines/vllm_local/test_gpu.py;;
   ipc) step ipc "$(left)" "$PY" -m bench.cpu.weight_sync --sizes 1gib --reps 5 --background 4 --out "$OUT";;
   lora05) step lora05 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-0.5b --tag q05;;
   lora15) step lora15 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-1.5b --micro-batch-tokens 32768 --tag q15;;

@@ -68,6 +68,29 @@ def host_probe(r: dict[str, Any]) -> list[str]:
                       "(docs/ARCHITECTURE.md)."]
 
 
+def lora_sides(r: dict[str, Any]) -> list[str]:
+    """LoRA against full fine-tuning, per shape: one row per side, then LoRA over full."""
+    rows, notes = [], []
+    for shape, e in r["shapes"].items():
+        for side in ("full", "lora"):
+            x = e.get(side)
+            if not x:
+                continue
+            pause = x.get("publication_pause_s") or {}
+            rows.append([shape, side, f"{num(x['trainable_params'] / 1e6, 1)}M", ms(pause.get("mean")),
+                         ms(pause.get("max")), f"{num(x['learner_peak_allocated_gib'], 1)} GiB",
+                         num(x["samples_per_s"], 1), num(x.get("samples_per_s_steady"), 1),
+                         num(x["completion_tokens_per_s"], 0), num(x.get("completion_tokens_per_s_steady"), 0),
+                         num(sum(x["rewards"]) / len(x["rewards"]), 3) if x.get("rewards") else "-"])
+        if (v := e.get("lora_over_full")) is not None:
+            notes.append(f"{shape}, LoRA over full: publication pause **{num(v['publication_pause_mean'], 3)}x**, "
+                         f"learner peak memory **{num(v['learner_peak_allocated'])}x**, trained samples/s "
+                         f"**{num(v['samples_per_s'])}x** (steady {num(v['samples_per_s_steady'])}x), completion "
+                         f"tokens/s **{num(v['tokens_per_s'])}x** (steady {num(v['tokens_per_s_steady'])}x).")
+    return table(["shape", "side", "trainable", "pause mean", "pause max", "learner peak", "samples/s", "steady",
+                  "tokens/s", "steady", "reward"], rows) + ([""] + notes if notes else [])
+
+
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
     "sleep": ("Sleep mode", "vLLM sleep levels 1 and 2 on the GPU test model: memory freed, sleep, wake with a "
               "weight update, and the log-prob parity check passed.", sleep_mode),
@@ -79,4 +102,8 @@ FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = 
                         "grouped by kind (bench/gpu/profile_learner.py).", learner_profile),
     "host_probe": ("Host costs behind a learner step", "bench/gpu/host_probe.py: matmul launches with new and "
                    "recurring shapes, and CPU index maths in torch and numpy.", host_probe),
+    "lora": ("LoRA against full fine-tuning", "bench/gpu/lora.py: ours async on one GPU, the same shape, task and "
+             "settings, once training every weight and once a LoRA adapter published alone (its own engine each); "
+             "pause per publication, the learner's peak GPU memory, trained samples/s and completion tokens/s.",
+             lora_sides),
 }

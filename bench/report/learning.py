@@ -72,6 +72,8 @@ def tool_use(r: dict[str, Any]) -> list[str]:
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
     "demo_seeds": ("The demo over seeds and machine numerics", "make demo's recipe, 5 seeds and 4 perturbations "
                    "of seed 0 (2 torch threads, bf16 warm start, warm start stopped at 25% / 35%).", demo_seeds),
+    "demo_lora": ("The demo with LoRA over seeds", "make demo ARGS=--lora: a LoRA adapter (rank 16) trained on "
+                  "the frozen warm-started policy and published alone, seeds 0-2.", demo_seeds),
     "learning": ("Learning: sync vs async at equal samples", "GRPO on addition; held-out greedy accuracy and "
                  "training wall time per setting, mean over seeds.", learning),
     "tool_use": ("Multi-turn tool use", "asyncrl/examples/tool_use.py over seeds: held-out accuracy and tool-call rate "

@@ -171,14 +171,41 @@ def _gpu_books(w: dict[str, Any], source: str, trl: tuple[dict[str, Any], str] |
     return " ".join(parts)
 
 
+def lora_block(results_dir: Path) -> str:
+    """The LoRA demo over seeds, and LoRA against full fine-tuning on the GPU."""
+    lines = []
+    if (x := _load(results_dir, "demo_lora_cpu")) is not None:
+        r, source = x
+        lines.append(f"- The demo with `--lora` (rank 16 on the frozen warm-started policy, the adapter published "
+                     f"alone, every publication probed): held-out accuracy **{pct(r['before_mean'])} -> "
+                     f"{pct(r['after_mean'])}**, a gain of **{r['gain_mean'] * 100:+.1f} points** (sd "
+                     f"{r['gain_std'] * 100:.1f}, minimum **{r['gain_min'] * 100:+.1f}**) over {len(r['runs'])} seeds; "
+                     f"the goal of +{r['target_gain'] * 100:.0f} in every seed is "
+                     f"{'met' if r['meets_target'] else '**not met**'} ({source}).")
+    if (x := _load(results_dir, "lora_h200")) is not None:
+        r, source = x
+        for shape, e in r["shapes"].items():
+            v, full, lora = e.get("lora_over_full"), e.get("full"), e.get("lora")
+            if not (v and full and lora):
+                continue
+            lines.append(f"- One H200, {shape}, ours async, LoRA rank {lora['lora']['rank']} against full fine-tuning "
+                         f"in one run: publication pause {ms(lora['publication_pause_s']['mean'])} against "
+                         f"{ms(full['publication_pause_s']['mean'])}, learner peak memory "
+                         f"{num(lora['learner_peak_allocated_gib'], 1)} GiB against "
+                         f"{num(full['learner_peak_allocated_gib'], 1)}, trained samples/s "
+                         f"**{num(v['samples_per_s'])}x**, completion tokens/s **{num(v['tokens_per_s'])}x** full's "
+                         f"({source}).")
+    return "\n".join(lines) or "(no LoRA results yet: `python -m bench.cpu.demo_seeds --lora`, `bench/gpu/run_lora.sh`)"
+
+
 # Which document holds which blocks.
-FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness")}
+FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "lora")}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
     """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
     blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
-              "staleness": staleness_block}
+              "staleness": staleness_block, "lora": lora_block}
     for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)

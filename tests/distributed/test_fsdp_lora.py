@@ -88,6 +88,12 @@ def test_two_rank_lora_steps_equal_the_single_process_steps(run: Path, tiny_mode
     start = adapter_state(_local(tiny_model_dir).model)
     moved = {k: float((v - start[k]).abs().max()) for k, v in _adapters(run, "first", STEPS).items()}
     assert min(moved.values()) > 1e-4  # every adapter tensor, A and B, was trained
+    # What the sharded learner publishes is the adapter alone; its probe scores equal the single process's.
+    result = json.loads((run / "result.json").read_text())
+    assert result["sources"][:STEPS] == ["AdapterWeights rank 4"] * STEPS
+    from tests.support.scripts.fsdp_lora import PROBE
+
+    assert result["probe"] == pytest.approx(local.score(PROBE), abs=1e-5)
 
 
 @pytest.mark.timeout(240)

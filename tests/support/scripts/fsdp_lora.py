@@ -34,6 +34,8 @@ LEARNER = LearnerConfig(lr=1e-3, micro_batch_rollouts=2)
 ADAPTER_SEED = 7  # rank 0's; a single process seeds the same before apply_lora to start from the same adapter
 
 
+PROBE = (3, 4, 5, 6, 7, 8, 9)  # a sequence the probe scores after the third step
+
 def loss() -> GRPOLoss:
     """GRPO with a KL term against the base model (the policy with its adapter off, under FSDP too)."""
     return GRPOLoss(LossConfig(kl_coef=0.05), ref_model=LoraReference(), pad_id=0)
@@ -103,20 +105,26 @@ async def lead(model_dir: str, out: Path, backend) -> None:  # type: ignore[no-u
     run = asyncio.to_thread
     steps, metrics, adapters = batches(), {"first": [], "resumed": []}, {}
 
+    sources: list[str] = []
+
     async def step(leg: str, n: int) -> None:
         metrics[leg].append(await run(backend.train_step, steps[n], n))
-        adapters.update({f"{leg}/{n + 1}/{k}": v for k, v in (await run(backend.adapter_publication_state)).items()})
+        source = await run(backend.publication_state)  # what the learner publishes: the adapter alone
+        sources.append(f"{type(source).__name__} rank {source.config.rank}")
+        adapters.update({f"{leg}/{n + 1}/{k}": v for k, v in source.tensors.items()})
 
     for n in range(3):
         await step("first", n)
         if n == 1:
             await run(backend.call, functools.partial(save_backend, path=str(out / "ckpt"), meta={"step": 2}))
+    probe = await run(backend.score, PROBE)  # the publication probe's learner side: a collective forward
     await run(backend.call, functools.partial(report, out=str(out)))
     await run(backend.call, functools.partial(restart, model_dir=model_dir, path=str(out / "ckpt")))
     adapters.update({f"resumed/2/{k}": v for k, v in (await run(backend.adapter_publication_state)).items()})
     await step("resumed", 2)
     save_file(adapters, str(out / "adapters.safetensors"))
-    (out / "result.json").write_text(json.dumps({"metrics": metrics, "refused": refused}))
+    (out / "result.json").write_text(json.dumps({"metrics": metrics, "refused": refused, "sources": sources,
+                                                 "probe": probe}))
 
 
 def main() -> None:
