@@ -259,7 +259,10 @@ def _gather_adapter(backend: FSDPBackend) -> dict[str, torch.Tensor]:
 
 
 def _score(backend: FSDPBackend, token_ids: tuple[int, ...]) -> list[float]:
-    return policy_logprobs(backend.model, token_ids)
+    try:
+        return policy_logprobs(backend.model, token_ids)
+    finally:  # FSDP2 keeps the root's parameters gathered after a forward, for the backward that would follow
+        backend.model.reshard()
 
 
 def _trim(backend: FSDPBackend) -> None:
