@@ -60,6 +60,7 @@ async def side(args: argparse.Namespace, model_dir: Path, name: str) -> dict[str
     t0 = time.perf_counter()
     engine = await VLLMEngine.start(workload.engine_config(args, model_dir, lora))
     start_s = time.perf_counter() - t0
+    print(f"[{name}] engine up in {start_s:.0f}s", flush=True)  # a run cut short still says where time went
     try:
         out = await workload.one_run(args, engine, model_dir, tok, prompts, False, watch(args), lora=lora,
                                      lr=args.lora_lr if lora else args.lr)

@@ -207,6 +207,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     config = pipeline_config(args, synchronous, lr)
     learner_memory = common.LearnerMemory()
     precompile_s = precompile_learner(args, model, config.learner)
+    print(f"learner precompiled in {precompile_s:.0f}s", flush=True)
     pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
                          config, pad_id=tok.pad_token_id, close_engine=False,
                          loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean",

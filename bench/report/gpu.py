@@ -82,6 +82,10 @@ def lora_sides(r: dict[str, Any]) -> list[str]:
                          num(x["samples_per_s"], 1), num(x.get("samples_per_s_steady"), 1),
                          num(x["completion_tokens_per_s"], 0), num(x.get("completion_tokens_per_s_steady"), 0),
                          num(sum(x["rewards"]) / len(x["rewards"]), 3) if x.get("rewards") else "-"])
+        missing = [side for side in ("full", "lora") if side not in e]
+        if missing:
+            notes.append(f"{shape}: no {' or '.join(missing)} side in this file: the command was stopped (its time "
+                         f"limit) before that side finished, so there is no LoRA-over-full figure for this shape.")
         if (v := e.get("lora_over_full")) is not None:
             notes.append(f"{shape}, LoRA over full: publication pause **{num(v['publication_pause_mean'], 3)}x**, "
                          f"learner peak memory **{num(v['learner_peak_allocated'])}x**, trained samples/s "

@@ -53,6 +53,18 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
     return table(["model", "transfer", "MiB", "prepare (running)", "paused", "reload floor", "paused / floor"], rows)
 
 
+def weight_sync_ab(r: dict[str, Any]) -> list[str]:
+    rows = [[name, ms(s["before"]["paused_median_s"]), ms(s["after"]["paused_median_s"]),
+             f"{num(s['after_over_before_paused'])}x", num(s["before"]["ratio_to_reload_floor"]),
+             num(s["after"]["ratio_to_reload_floor"]), str(len(s["after"]["paused"]))]
+            for name, s in r["summary"].items()]
+    loads = ", ".join(f"{side} {num(doc['hardware']['loadavg_at_start'][0], 1)}" for side in ("before", "after")
+                      for doc in r["runs"][side])
+    return table(["model", "paused before", "after", "after / before", "paused / floor before", "after",
+                  "reps per side"], rows) + ["", f"Before: commit `{r['before_commit'][:8]}`. The runs' load at start, "
+                                                 f"in order: {loads}."]
+
+
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
     "engine_limit": ("Engine limit", "Tokens/s through the whole producer path vs the bare engine, same "
                      "requests, pairs alternated.", engine_limit),
@@ -62,4 +74,6 @@ FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = 
     "contention": ("What overlap costs on this machine", "Generation speed beside other work.", contention),
     "weight_sync": ("Weight sync", "Time generation is paused per publication, against the engine's own reload "
                     "floor.", weight_sync),
+    "weight_sync_ab": ("Weight sync before and after a change", "bench.cpu.weight_sync on two revisions, run in "
+                       "turn; medians over every rep of each side.", weight_sync_ab),
 }
