@@ -16,7 +16,7 @@ from asyncrl.engines import state_dict_for_engine
 from asyncrl.episodes import Env, EnvFactory, Episode, EpisodeRunner, StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.errors import (
     ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
-    QueueClosed, RolloutDropped, WeightUpdateError,
+    PublicationMismatch, QueueClosed, RolloutDropped, WeightUpdateError,
 )
 from asyncrl.pipeline import Pipeline, RunResult
 from asyncrl.queues import RemoteQueueClient, RolloutIngestServer, RolloutReceiver, RolloutSender, create_rollout_queue
@@ -35,7 +35,8 @@ __all__ = [
     "GroupTotals",
     "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
     "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
-    "PromptSource", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution", "RewardFn", "Rollout",
+    "PromptSource", "PublicationMismatch", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution",
+    "RewardFn", "Rollout",
     "RolloutDropped", "RolloutGroup", "RolloutIngestServer", "RolloutReceiver", "RolloutSender", "RunResult",
     "Sample", "SamplingConfig", "StepResult", "SyncConfig", "SyncTiming", "ToolBox", "ToolCall", "ToolEnv",
     "Trajectory", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError", "create_rollout_queue",

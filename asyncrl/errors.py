@@ -45,6 +45,11 @@ class WeightUpdateError(RuntimeError):
     its version did not change."""
 
 
+class PublicationMismatch(RuntimeError):
+    """After a publication landed, the target scores a sequence otherwise than the weights the learner published:
+    it serves other weights than its version says (``SyncConfig.probe_tolerance``). The run stops."""
+
+
 class DistributedError(RuntimeError):
     """A learner rank failed, left, or stopped answering; the message names the rank and what it was doing."""
 

@@ -21,16 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.engines.protocols import WeightTarget
-from asyncrl.errors import WeightUpdateError
+from asyncrl.errors import PublicationMismatch
 from asyncrl.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Expectation", "PublicationMismatch", "PublicationProbe", "policy_logprobs"]
-
-
-class PublicationMismatch(WeightUpdateError):
-    """The target serves other weights than the learner published."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The narrow roles the rest of asyncrl talks to, one Protocol each.
 
 - ``Sampler`` (producers): generate completions, tagged with the weight version that produced each token.
-- ``WeightTarget`` (the learner's ``WeightSync``): prepare an update, pause, load, resume; and, optionally,
-  sleep while a colocated learner trains (the defaults never sleep).
+- ``WeightTarget`` (the learner's ``WeightSync``): prepare an update, pause, load, resume (an engine does it
+  through its one ``transports.WeightTransport``); and, optionally, sleep while a colocated learner trains (the
+  defaults never sleep) and score a sequence for the publication probe (the default cannot).
 - ``Lifecycle`` (the pipeline): is it alive, wait for its death, close it.
 
 Optional behaviour is a documented no-op default on the role, never probed: an implementation subclasses the
@@ -23,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
-from asyncrl.errors import EngineError, PromptRejected, WeightUpdateError
+from asyncrl.errors import ConfigError, EngineError, PromptRejected, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
 __all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine",
@@ -123,8 +124,8 @@ class WeightTarget(Protocol):
         the weights it serves now, by engine name (one entry; a pool's every live member): what the learner's
         publication probe (``SyncConfig.probe_tolerance``) compares with its own. Default: this target cannot be
         scored, and a probe asked of it fails the run saying so."""
-        raise WeightUpdateError(f"{self.name} cannot score sequences, so its publications cannot be probed: "
-                                "leave SyncConfig.probe_tolerance unset")
+        raise ConfigError("SyncConfig.probe_tolerance", f"{self.name} cannot score sequences, so its publications "
+                                                        "cannot be probed: leave it unset")
 
     # Sleeping: freeing accelerator memory while a learner sharing the device trains (``VLLMEngine`` with
     # ``VLLMEngineConfig.sleep``; ``EnginePool`` and ``SupervisedEngine`` forward it). The synchronous pipeline

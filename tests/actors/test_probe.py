@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl import PipelineConfig, SyncConfig, WeightUpdateError
+from asyncrl import ConfigError, PipelineConfig, SyncConfig
 from asyncrl.actors.probe import PublicationMismatch, policy_logprobs
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.updates import AdapterWeights, WeightUpdate
@@ -86,5 +86,5 @@ async def test_an_engine_serving_other_weights_fails_the_run(lora):
 async def test_a_target_that_cannot_be_scored_says_so():
     model = policy(False)
     pipe = grpo_pipeline(FakeEngine(vocab_size=50), model, prompts(40, length=4), reward, probed())
-    with pytest.raises(WeightUpdateError, match="cannot score sequences"):
+    with pytest.raises(ConfigError, match="cannot score sequences"):
         await pipe.run(2)
