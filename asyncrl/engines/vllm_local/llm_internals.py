@@ -95,9 +95,15 @@ class _ShutdownNotice(logging.Filter):
         return not ("output_handler failed" in str(record.msg) and type(exc).__name__ == "EngineDeadError")
 
 
+REAP_S = 10.0  # after vLLM's shutdown, how long its engine-core processes get to be gone
+
+
 async def quiet_shutdown(llm: Any) -> None:
-    """``llm.shutdown()`` in a thread (it joins vLLM's processes), without its expected error log, and so that
-    ``AsyncLLM.__del__`` later finds nothing left to shut down (at interpreter exit it would fail)."""
+    """``llm.shutdown()`` in a thread, without its expected error log, and so that ``AsyncLLM.__del__`` later finds
+    nothing left to shut down (at interpreter exit it would fail); then the engine-core processes are reaped. vLLM
+    joins them for a few seconds only and then sends SIGKILL without waiting: on a loaded machine a process could
+    still be there when shutdown returns."""
+    procs = _engine_core_processes(llm)
     quiet = _ShutdownNotice()
     logging.getLogger(ASYNC_LLM_LOGGER).addFilter(quiet)
     try:
@@ -105,6 +111,24 @@ async def quiet_shutdown(llm: Any) -> None:
     finally:
         logging.getLogger(ASYNC_LLM_LOGGER).removeFilter(quiet)
         llm.shutdown = _no_op
+        await asyncio.to_thread(_reap, procs, REAP_S)
+
+
+def _engine_core_processes(llm: Any) -> list[Any]:
+    """vLLM's engine-core ``multiprocessing`` processes, or [] where this vLLM keeps them elsewhere."""
+    manager = getattr(getattr(getattr(llm, "engine_core", None), "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def _reap(procs: list[Any], timeout_s: float) -> None:
+    """Join each process (killing one still alive at the deadline), so none is left, not even as a zombie."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            log.warning("engine-core process %s still alive %.0fs after shutdown; killing it", proc.pid, timeout_s)
+            proc.kill()
+            proc.join(5.0)
 
 
 def _no_op(*_args: Any, **_kwargs: Any) -> None:

@@ -87,8 +87,11 @@ class ServerApi:
                 if resp.status != 200:
                     raise ServerStatusError(self.engine, f"{method} {url}: HTTP {resp.status}: {text[:500]}",
                                             resp.status)
-                # Most endpoints answer JSON; a few (LoRA loading) a sentence, returned as it is.
-                return None if not text else json.loads(text) if resp.content_type == "application/json" else text
+                if not text:
+                    return None
+                # Endpoints answer JSON, but a few (LoRA loading) a plain sentence: returned as it is.
+                json_body = resp.content_type == "application/json" or text.lstrip()[:1] in ("{", "[")
+                return json.loads(text) if json_body else text
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(self.engine, f"{method} {url} failed: {exc!r}") from exc
 
