@@ -140,8 +140,8 @@ class AdapterTransport(Transport):
         if not isinstance(update.source, AdapterWeights):
             raise WeightUpdateError(f"engine {self._engine} serves LoRA adapters on a frozen base: publish the "
                                     f"adapter (asyncrl.lora), not {type(update.source).__name__}")
-        check_adapter(update.source, self._manifest, self._serving.max_rank)
-        staged = await _write_adapter(update.source, self._dtype, self._root)
+        staged = await _check_and_write(update.source, self._manifest, self._serving.max_rank, self._dtype,
+                                        self._root)
         return replace(update, staged=staged)
 
     async def load(self, update: WeightUpdate) -> None:
@@ -242,14 +242,18 @@ def adapter_dir_files(adapter: AdapterWeights, dtype: torch.dtype) -> tuple[dict
     return tensors, settings
 
 
-async def _write_adapter(adapter: AdapterWeights, dtype: torch.dtype, root: Path | None) -> StagedWeights:
-    return await stage_in_thread(lambda abandon: _write_adapter_now(adapter, dtype, root, abandon))
+async def _check_and_write(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], max_rank: int,
+                           dtype: torch.dtype, root: Path | None) -> StagedWeights:
+    """``check_adapter`` (its NaN pass reads every tensor) and the write, both in a worker thread, as full-weight
+    updates are checked and staged: the event loop keeps serving."""
+    return await stage_in_thread(lambda abandon: _write_adapter_now(adapter, manifest, max_rank, dtype, root, abandon))
 
 
-def _write_adapter_now(adapter: AdapterWeights, dtype: torch.dtype, root: Path | None,
-                       abandon: threading.Event) -> StagedWeights:
+def _write_adapter_now(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], max_rank: int,
+                       dtype: torch.dtype, root: Path | None, abandon: threading.Event) -> StagedWeights:
     from safetensors.torch import save_file
 
+    check_adapter(adapter, manifest, max_rank)
     if abandon.is_set():
         raise StageAbandoned
     tmp = make_staging_dir(root)
