@@ -6,7 +6,8 @@
 #   lora05  python -m bench.gpu.lora on the 0.5B shape: LoRA against full fine-tuning, side by side
 #   lora15  the same on the 1.5B shape
 # PEFT's wheel (bench/gpu/fetch_peft_wheels.sh, $PEFT_WHEELS, default .cache/gpu-peft) is unpacked into
-# /tmp/peft-site. Results land in $OUT: summary.txt, one log per step, and the steps' JSON.
+# /tmp/peft-site. $LORA_STEPS (default 12) and $LORA_SIDES (default full,lora) shape the lora steps. Results
+# land in $OUT: summary.txt, one log per step, and the steps' JSON.
 # Usage, from the repository root (host setup sourced first where needed):
 #   bash bench/gpu/run_lora.sh [BUDGET_S] [STEP...]
 BUDGET=${1:-560}; shift $(( $# < 1 ? $# : 1 ))
@@ -17,7 +18,7 @@ PEFT_WHEELS=${PEFT_WHEELS:-.cache/gpu-peft}
 export PYTHONPATH="$PYTHONPATH:/tmp/peft-site"
 T0=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - T0) - 10 )); }
-LORA=(-m bench.gpu.lora --out "$OUT" --steps "${LORA_STEPS:-12}")
+LORA=(-m bench.gpu.lora --out "$OUT" --steps "${LORA_STEPS:-12}" --lora-sides "${LORA_SIDES:-full,lora}")
 for s in $STEPS; do case $s in
   tests) step tests "$(left)" "$PY" -m pytest -o addopts="" -v --no-header -m gpu tests/lora/test_lora_gpu.py \
       tests/engines/vllm_local/test_gpu.py;;
