@@ -2,17 +2,15 @@
 batches and pipeline (ours, async, ``bench.gpu.workload``'s settings), trained once with every weight and once
 through a LoRA adapter published alone.
 
-    python -m bench.gpu.lora --shapes qwen2-0.5b,qwen2-1.5b --steps 12     # the H200 figures
-    python -m bench.gpu.lora --cpu-smoke                                   # tiny shapes on CPU: the code paths
-    python -m bench.gpu.lora --merge A.json B.json                         # one file from runs of one shape each
+    python -m bench.gpu.lora --shapes qwen2-0.5b --steps 12 --tag q05      # one shape per command (the H200
+    python -m bench.gpu.lora --cpu-smoke                                   # figures: bench/gpu/run_lora.sh)
 
 Per shape and side: the publication pause (mean and largest, seconds the engine was paused per publication),
 the learner's peak GPU memory (what this process's torch allocated: weights, gradients, optimiser state,
 activations; the engine lives in its own processes), trainable parameters, trained samples/s and completion
-tokens/s (steady state), generated tokens/s, and the reward. Each side starts its own engine: full weights for
-``full``, LoRA serving for ``lora``. Writes ``bench/results/lora_<device>[_TAG].json``; ``--merge`` writes
-``lora_<device>.json`` from runs made one shape at a time (a GPU command's time limit), each shape's entry keeping
-its run's own command, date, hardware and load.
+tokens/s (steady state), generated tokens/s, the whole GPU's peak use (the engine's memory included), and the
+reward. Each side starts its own engine: full weights for ``full``, LoRA serving for ``lora``. Writes
+``bench/results/lora_<device>[_TAG].json``; on the H200 one shape per command fits a command's time limit.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     extra.add_argument("--lora-alpha", type=int, default=64)
     extra.add_argument("--lora-lr", type=float, default=2e-5, help="the adapter's learning rate (full: --lr)")
     extra.add_argument("--lora-sides", default=",".join(SIDES), help="comma-separated subset of full,lora")
-    extra.add_argument("--merge", nargs="+", type=Path, help="result files of this benchmark to merge, then exit")
     ours, rest = extra.parse_known_args(argv)
     args = workload.parse_args(rest)
     args.sides = ["async"]  # ours, async only: no sleeping engine, no TRL
@@ -85,25 +82,8 @@ def compare(full: dict[str, Any], lora: dict[str, Any]) -> dict[str, float]:
             "tokens_per_s_steady": ratio("completion_tokens_per_s_steady")}
 
 
-def merge(args: argparse.Namespace, argv: list[str] | None) -> int:
-    import json
-
-    result = common.Result("lora", args, argv, module="bench.gpu.lora")
-    shapes: dict[str, Any] = {}
-    for path in args.merge:
-        doc = json.loads(path.read_text())
-        run = {k: doc[k] for k in ("date", "command", "hardware", "versions", "total_s") if k in doc}
-        for shape, entry in doc["results"]["shapes"].items():
-            shapes[shape] = {**entry, "run": run}
-    result.write({"shapes": shapes})
-    print(f"merged {len(shapes)} shapes into {result.path()}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.merge:
-        return merge(args, argv)
     common.set_env()
     import asyncrl
 

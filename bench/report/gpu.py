@@ -79,6 +79,7 @@ def lora_sides(r: dict[str, Any]) -> list[str]:
             pause = x.get("publication_pause_s") or {}
             rows.append([shape, side, f"{num(x['trainable_params'] / 1e6, 1)}M", ms(pause.get("mean")),
                          ms(pause.get("max")), f"{num(x['learner_peak_allocated_gib'], 1)} GiB",
+                         f"{num(max(x['gpu_peak_used_gib']), 1)} GiB" if x.get("gpu_peak_used_gib") else "-",
                          num(x["samples_per_s"], 1), num(x.get("samples_per_s_steady"), 1),
                          num(x["completion_tokens_per_s"], 0), num(x.get("completion_tokens_per_s_steady"), 0),
                          num(sum(x["rewards"]) / len(x["rewards"]), 3) if x.get("rewards") else "-"])
@@ -91,8 +92,8 @@ def lora_sides(r: dict[str, Any]) -> list[str]:
                          f"learner peak memory **{num(v['learner_peak_allocated'])}x**, trained samples/s "
                          f"**{num(v['samples_per_s'])}x** (steady {num(v['samples_per_s_steady'])}x), completion "
                          f"tokens/s **{num(v['tokens_per_s'])}x** (steady {num(v['tokens_per_s_steady'])}x).")
-    return table(["shape", "side", "trainable", "pause mean", "pause max", "learner peak", "samples/s", "steady",
-                  "tokens/s", "steady", "reward"], rows) + ([""] + notes if notes else [])
+    return table(["shape", "side", "trainable", "pause mean", "pause max", "learner peak", "GPU peak", "samples/s",
+                  "steady", "tokens/s", "steady", "reward"], rows) + ([""] + notes if notes else [])
 
 
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
@@ -108,6 +109,7 @@ FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = 
                    "recurring shapes, and CPU index maths in torch and numpy.", host_probe),
     "lora": ("LoRA against full fine-tuning", "bench/gpu/lora.py: ours async on one GPU, the same shape, task and "
              "settings, once training every weight and once a LoRA adapter published alone (its own engine each); "
-             "pause per publication, the learner's peak GPU memory, trained samples/s and completion tokens/s.",
+             "pause per publication, the learner's peak GPU memory (its torch allocations) and the whole GPU's "
+             "(the engine's included), trained samples/s and completion tokens/s.",
              lora_sides),
 }

@@ -182,19 +182,22 @@ def lora_block(results_dir: Path) -> str:
                      f"{r['gain_std'] * 100:.1f}, minimum **{r['gain_min'] * 100:+.1f}**) over {len(r['runs'])} seeds; "
                      f"the goal of +{r['target_gain'] * 100:.0f} in every seed is "
                      f"{'met' if r['meets_target'] else '**not met**'} ({source}).")
-    if (x := _load(results_dir, "lora_h200")) is not None:
-        r, source = x
-        for shape, e in r["shapes"].items():
+    for path in sorted(results_dir.glob("lora_h200*.json")):
+        doc = json.loads(path.read_text())
+        source = f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
+        for shape, e in results_of(doc)["shapes"].items():
             v, full, lora = e.get("lora_over_full"), e.get("full"), e.get("lora")
             if not (v and full and lora):
                 continue
             lines.append(f"- One H200, {shape}, ours async, LoRA rank {lora['lora']['rank']} against full fine-tuning "
                          f"in one run: publication pause {ms(lora['publication_pause_s']['mean'])} against "
-                         f"{ms(full['publication_pause_s']['mean'])}, learner peak memory "
+                         f"{ms(full['publication_pause_s']['mean'])}; learner peak memory "
                          f"{num(lora['learner_peak_allocated_gib'], 1)} GiB against "
-                         f"{num(full['learner_peak_allocated_gib'], 1)}, trained samples/s "
-                         f"**{num(v['samples_per_s'])}x**, completion tokens/s **{num(v['tokens_per_s'])}x** full's "
-                         f"({source}).")
+                         f"{num(full['learner_peak_allocated_gib'], 1)}, the whole GPU's "
+                         f"{num(max(lora['gpu_peak_used_gib']), 1)} GiB against "
+                         f"{num(max(full['gpu_peak_used_gib']), 1)}; "
+                         f"trained samples/s **{num(v['samples_per_s'])}x**, completion tokens/s "
+                         f"**{num(v['tokens_per_s'])}x** full's ({source}).")
     return "\n".join(lines) or "(no LoRA results yet: `python -m bench.cpu.demo_seeds --lora`, `bench/gpu/run_lora.sh`)"
 
 
