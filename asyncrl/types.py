@@ -52,6 +52,10 @@ class DropReason(str, enum.Enum):
     ENV_OUTPUT_TOO_LONG = "env_output_too_long"  # one environment step returned more than ``max_env_tokens`` ids
     # a prompt, or the ids an environment step returned, hold an id outside the engine's ``Sampler.vocab_size``
     OUT_OF_VOCABULARY = "out_of_vocabulary"
+    JUDGE_ERROR = "judge_error"  # a pairwise judge raised
+    JUDGE_INVALID = "judge_invalid"  # a pairwise judge returned something that is not a probability
+    JUDGE_TIMEOUT = "judge_timeout"  # a group's comparisons took longer than ``reward_timeout_s``
+    PREFERENCE_TIE = "preference_tie"  # every comparison of the group tied: no pair to learn from
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
 
@@ -143,6 +147,9 @@ class RolloutGroup:
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
     meta: Mapping[str, Any] = field(default_factory=dict)  # free-form producer metadata
+    # Completions of the same prompt by another policy (XPO's reference), one per rollout, judged against it:
+    # read by the loss, never trained on as rollouts, so they count in neither staleness nor token books.
+    opponents: tuple[Sample, ...] = ()
     # Its place in start order from the pipeline's ``AdmissionGate`` (None: not gated); not sent over the wire
     ticket: int | None = field(default=None, compare=False)
 

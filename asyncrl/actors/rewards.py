@@ -8,6 +8,10 @@ group, unless ``ProducerConfig.sync_rewards`` says it is cheap enough to run inl
 A thread cannot be stopped: a timed-out synchronous call keeps running until it returns, and its limiter slot
 goes to the next group. So that hung calls cannot pile up threads without end, once ``reward_threads`` calls
 are overrunning at the same time the run stops with ``NoProgressError``.
+
+The same machinery runs a preference trainer's pairwise judge (``asyncrl.preference.scoring``): ``run_calls``
+takes a group's calls as argument tuples, and ``ScoringKind`` names the function and the reasons its group is
+dropped under.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import numbers
 import threading
 import time
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -36,11 +41,26 @@ class RewardRejected(RolloutDropped):
     """A group's scoring failed in a way that drops the group (``reason`` says how)."""
 
 
-class RewardScorer:
-    """Scores groups with one reward function (shared by a producer's in-flight groups)."""
+@dataclass(frozen=True, slots=True)
+class ScoringKind:
+    """What is scoring (for messages) and the reasons a group is dropped under when it fails."""
 
-    def __init__(self, fn: RewardFn, config: ProducerConfig) -> None:
+    noun: str
+    error: DropReason
+    invalid: DropReason
+    timeout: DropReason
+
+
+REWARD = ScoringKind("reward function", DropReason.REWARD_ERROR, DropReason.REWARD_INVALID, DropReason.REWARD_TIMEOUT)
+
+
+class RewardScorer:
+    """Scores groups with one reward function (shared by a producer's in-flight groups); with another ``kind``,
+    runs any function's calls the same way (``run_calls``)."""
+
+    def __init__(self, fn: Callable[..., Any], config: ProducerConfig, *, kind: ScoringKind = REWARD) -> None:
         self._fn = fn
+        self._kind = kind
         self._is_async = _is_async_callable(fn)
         self._in_thread = not self._is_async and config.sync_rewards is RewardExecution.THREAD
         self._timeout_s = config.reward_timeout_s
@@ -56,57 +76,69 @@ class RewardScorer:
 
     async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
         """One reward per sample. Raises ``RewardRejected`` (the group is dropped) or ``NoProgressError``."""
+        return [self._checked(v) for v in await self.run_calls([(prompt, s) for s in samples])]
+
+    async def run_calls(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*args)`` for every ``args`` in ``calls`` (one group's), as configured: inline, in a worker thread
+        (one thread call for them all) or concurrently on the loop, bounded together by the timeout. Raises
+        ``RewardRejected`` under the kind's reasons, or ``NoProgressError``."""
         if not (self._is_async or self._in_thread):
-            return self._score_inline(prompt, samples)
+            return self._inline(calls)
         if self._overrunning >= self._max_overrunning:
-            raise NoProgressError(f"the reward function hangs: {self._overrunning} calls are still running "
+            raise NoProgressError(f"the {self._kind.noun} hangs: {self._overrunning} calls are still running "
                                   f"more than reward_timeout_s={self._timeout_s}s after they started")
         try:
             async with asyncio.timeout(self._timeout_s):
-                values = await self._call(prompt, samples)
+                return await self._call(calls)
         except TimeoutError:
-            raise RewardRejected(DropReason.REWARD_TIMEOUT,
-                                 f"reward function took longer than reward_timeout_s={self._timeout_s}s") from None
+            raise RewardRejected(self._kind.timeout,
+                                 f"{self._kind.noun} took longer than reward_timeout_s={self._timeout_s}s") from None
         except (asyncio.CancelledError, NoProgressError):
             raise
         except Exception as exc:
-            raise RewardRejected(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
-        return [_checked(v) for v in values]
+            raise RewardRejected(self._kind.error, f"{self._kind.noun} raised {exc!r}") from exc
 
-    def _score_inline(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
+    def _inline(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         """``sync_rewards="inline"``: called on the event loop, where nothing can interrupt it, so the timeout is
         checked once it returns (without an ``asyncio.timeout`` per group: this path exists to be cheap)."""
         t0 = time.perf_counter()
         try:
-            values = [self._fn(prompt, s) for s in samples]
+            values = [self._fn(*args) for args in calls]
         except Exception as exc:
-            raise RewardRejected(DropReason.REWARD_ERROR, f"reward function raised {exc!r}") from exc
+            raise RewardRejected(self._kind.error, f"{self._kind.noun} raised {exc!r}") from exc
         if time.perf_counter() - t0 > self._timeout_s:
-            raise RewardRejected(DropReason.REWARD_TIMEOUT, f"inline reward function took longer than "
-                                                            f"reward_timeout_s={self._timeout_s}s")
+            raise RewardRejected(self._kind.timeout, f"inline {self._kind.noun} took longer than "
+                                                     f"reward_timeout_s={self._timeout_s}s")
         if any(type(v) is not float and inspect.isawaitable(v) for v in values):
             for v in values:
                 if inspect.isawaitable(v):
                     v.close()  # type: ignore[attr-defined]
-            raise RewardRejected(DropReason.REWARD_ERROR, "an inline reward function returned an awaitable; "
-                                                          "make it async (it then runs on the loop, timed)")
-        return [_checked(v) for v in values]
+            raise RewardRejected(self._kind.error, f"an inline {self._kind.noun} returned an awaitable; "
+                                                   "make it async (it then runs on the loop, timed)")
+        return values
 
-    async def _call(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Any]:
-        if self._is_async:  # the group's samples are scored concurrently (a judge model, a sandbox...)
-            return await together(*(self._fn(prompt, s) for s in samples))
-        values = await self._in_worker_thread(prompt, samples)
+    async def _call(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if self._is_async:  # the group's calls run concurrently (a judge model, a sandbox...)
+            return await together(*(self._fn(*args) for args in calls))
+        values = await self._in_worker_thread(calls)
         if any(type(v) is not float and inspect.isawaitable(v) for v in values):  # a sync fn returning awaitables
             return await together(*(_as_awaitable(v) for v in values))
         return values
 
-    async def _in_worker_thread(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Any]:
-        call = _ThreadCall(self, prompt, samples)
+    async def _in_worker_thread(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        call = _ThreadCall(self, calls)
         try:
             return await anyio.to_thread.run_sync(call.run, abandon_on_cancel=True, limiter=self._limiter)
         except BaseException:
             call.abandon()
             raise
+
+    def _checked(self, value: object) -> float:
+        if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise RewardRejected(self._kind.invalid, f"{self._kind.noun} returned {value!r}, not a finite number")
+        return float(value)
 
     def _overrun(self, delta: int) -> None:
         with self._lock:
@@ -116,15 +148,15 @@ class RewardScorer:
 class _ThreadCall:
     """One group's synchronous scoring in a worker thread; counts itself while it overruns its timeout."""
 
-    def __init__(self, scorer: RewardScorer, prompt: Prompt, samples: Sequence[Sample]) -> None:
-        self._scorer, self._prompt, self._samples = scorer, prompt, samples
+    def __init__(self, scorer: RewardScorer, calls: Sequence[tuple[Any, ...]]) -> None:
+        self._scorer, self._calls = scorer, calls
         self._lock = threading.Lock()
         self._running = True
         self._abandoned = False
 
     def run(self) -> list[Any]:
         try:
-            return [self._scorer._fn(self._prompt, s) for s in self._samples]
+            return [self._scorer._fn(*args) for args in self._calls]
         finally:
             with self._lock:
                 self._running = False
@@ -144,11 +176,3 @@ async def _as_awaitable(value: Any) -> Any:
 
 def _is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
-def _checked(value: object) -> float:
-    if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RewardRejected(DropReason.REWARD_INVALID, f"reward function returned {value!r}, not a finite number")
-    return float(value)
