@@ -73,6 +73,9 @@ class Pipeline:
         runners = [p.episodes.counters for p in producers if p.episodes is not None]
         if runners:  # turns, tool calls and environment time per learner step
             learner.hooks.append(EpisodeMetricsHook(runners))
+        judges = list({id(p.judge): p.judge for p in producers if p.judge is not None}.values())
+        for judge in judges:  # comparisons, ties, win rate against the opponent, per learner step
+            learner.hooks.append(lambda step, metrics, judge=judge: metrics.update(judge.metrics()))
         self.config = config or PipelineConfig()
         if self.config.progress:  # printed after every hook, those added later too: it sees what they add
             learner.progress = ProgressLine()

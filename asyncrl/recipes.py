@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
 
+if TYPE_CHECKING:
+    from asyncrl.preference.scoring import JudgeScorer
+
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
                   PromptSource, reward_fn: RewardFn | None, config: PipelineConfig | None = None, *,
@@ -31,7 +35,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
                   ref_model: Reference | None = None, optimizer: torch.optim.Optimizer | None = None,
                   monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
                   env: EnvFactory | None = None, backend: TrainingBackend | None = None,
-                  target: WeightTarget | None = None) -> Pipeline:
+                  target: WeightTarget | None = None, judge: JudgeScorer | None = None) -> Pipeline:
     """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on groups sampled from ``engine``.
 
     The version clock starts at the engine's version. ``step`` continues a run restored from a checkpoint;
@@ -41,7 +45,8 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
 
     With ``backend`` (e.g. ``asyncrl.distributed.FSDPBackend``) the learner trains through it, and ``model``,
     the loss arguments and ``optimizer`` must be left out: the backend owns them. ``target`` is what
-    publications go to (default: ``engine``).
+    publications go to (default: ``engine``). With ``judge`` (and ``reward_fn=None``) producers score groups with a
+    pairwise judge (``asyncrl.preference.preference_pipeline`` builds that with its loss).
     """
     config = config or PipelineConfig()
     if backend is not None:
@@ -59,7 +64,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     sender, receiver = create_rollout_queue(config.queue, clock, gate=gate)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
         producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer, name=f"producer-{i}",
-                              env=env, admission=gate or OPEN)
+                              env=env, admission=gate or OPEN, judge=judge)
                      for i in range(config.num_producers)]
     sync = WeightSync(target or engine, clock, config.learner.sync)
     if backend is not None:

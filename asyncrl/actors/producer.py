@@ -14,6 +14,10 @@ Episodes: a producer given ``env`` (an ``EnvFactory``) plays ``n`` multi-turn ep
 rewards, plus ``reward_fn(prompt, trajectory)`` when one is given (``reward_fn=None``: the environment's alone).
 Whatever drops a group on the way (``RolloutDropped``: environment, tool, reward) is counted under its reason.
 
+Preferences: a producer given ``judge`` (an ``asyncrl.preference.JudgeScorer``) scores its groups with a pairwise
+judge instead of ``reward_fn``: each rollout's reward is its preference score, and the opponents' completions (if
+any) travel in ``RolloutGroup.opponents``.
+
 Admission: before starting a group the producer waits on its ``admission`` (the pipeline's ``AdmissionGate``,
 shared by every producer: a group starts only if it can be trained within ``max_staleness``); a group that
 never reaches the sink withdraws its ticket. The default, ``OPEN``, starts groups at once.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from asyncrl.actors.rewards import RewardFn, RewardScorer
 from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
@@ -36,6 +40,9 @@ from asyncrl.episodes.types import EnvFactory
 from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed, RolloutDropped
 from asyncrl.queues.admission import OPEN, Admission
 from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
+
+if TYPE_CHECKING:
+    from asyncrl.preference.scoring import JudgeScorer
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +84,18 @@ class Producer:
 
     def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
                  config: ProducerConfig | None = None, name: str = "producer", *,
-                 env: EnvFactory | None = None, admission: Admission = OPEN) -> None:
-        if reward_fn is None and env is None:
-            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, or both")
+                 env: EnvFactory | None = None, admission: Admission = OPEN, judge: JudgeScorer | None = None) -> None:
+        if judge is not None and (reward_fn is not None or env is not None):
+            raise ValueError("a producer scores with a judge or with rewards (reward_fn, env), not both")
+        if reward_fn is None and env is None and judge is None:
+            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, both, or a judge")
         self.sampler = sampler
         self.prompts = prompts
         self.sink = sink
         self.config = config or ProducerConfig()
         self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
         self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
+        self.judge = judge
         self.name = name
         self.admission = admission  # asked before each group starts (run() only; produce_one is ungated)
         self.counters = ProducerCounters()
@@ -145,9 +155,11 @@ class Producer:
         return group
 
     def _drop(self, group_id: str, drop: RolloutDropped) -> None:
-        if self.config.on_invalid is InvalidGroupPolicy.FAIL and drop.reason is not DropReason.ABORTED:
+        expected = drop.reason in (DropReason.ABORTED, DropReason.PREFERENCE_TIE)  # outcomes, not invalid input
+        if self.config.on_invalid is InvalidGroupPolicy.FAIL and not expected:
             raise InvalidGroupError(f"{self.name}: group {group_id} invalid ({drop.reason.value}): {drop}")
-        log.warning("%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
+        log.log(logging.DEBUG if drop.reason is DropReason.PREFERENCE_TIE else logging.WARNING,
+                "%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
         self.counters.dropped.add(drop.reason)
         self.counters.drops_in_a_row += 1
         if self.counters.drops_in_a_row >= self.config.max_consecutive_drops:
@@ -162,9 +174,13 @@ class Producer:
         if self.episodes is not None:
             return await self._build_episodes(group_id, prompt)
         samples = await self._sample_all(group_id, prompt)
-        rewards = await self.scorer.score(prompt, samples)  # type: ignore[union-attr]  # RewardRejected: a drop
+        opponents: tuple[Sample, ...] = ()
+        if self.judge is not None:
+            rewards, opponents = await self.judge.score(group_id, prompt, samples)  # RewardRejected: a drop
+        else:
+            rewards = await self.scorer.score(prompt, samples)  # type: ignore[union-attr]
         rollouts = tuple(Rollout(s, r) for s, r in zip(samples, rewards))
-        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
+        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts, opponents=opponents)
 
     async def _build_episodes(self, group_id: str, prompt: Prompt) -> RolloutGroup:
         assert self.episodes is not None
@@ -219,6 +235,8 @@ class Producer:
         out = {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
                "producer/resubmitted": c.resubmitted, "producer/in_flight": self.in_flight,
                "producer/reward_overrunning": self.scorer.overrunning if self.scorer is not None else 0}
+        if self.judge is not None:
+            out.update(self.judge.metrics())
         if self.episodes is not None:
             out.update(episode_metrics([self.episodes.counters]))
         return out

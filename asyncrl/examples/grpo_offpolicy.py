@@ -55,8 +55,16 @@ LR, LORA_LR = 3e-4, 2e-3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = build_parser(__doc__.split("\n\n")[0])
+    args = p.parse_args(argv)
+    args.lr = args.lr or (LORA_LR if args.lora else LR)
+    tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
+    return args
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The example's options (the preference example adds its own to them)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     data = p.add_argument_group("data and model")
     data.add_argument("--prompts", type=Path, help="JSONL or Parquet file of problems: prompt/answer columns, "
                       "verl's parquet or GSM8K's question/answer (default: the built-in addition task)")
@@ -93,10 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     misc.add_argument("--no-progress", action="store_true")
     misc.add_argument("-v", "--verbose", action="store_true")
     tracking.add_checkpoint_args(p.add_argument_group("checkpoints"))
-    args = p.parse_args(argv)
-    args.lr = args.lr or (LORA_LR if args.lora else LR)
-    tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
-    return args
+    return p
 
 
 def _tiny_model_args(tiny: Any) -> None:
@@ -348,7 +353,8 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
-def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float) -> None:
+def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float, *,
+           name: str = "GRPO", plot_name: str = "grpo_offpolicy.png") -> None:
     rows = tracking.read_jsonl(args.out / "metrics.jsonl")
     tail = [r["train/reward_mean"] for r in rows[-10:] if "train/reward_mean" in r]
     final_reward = sum(tail) / len(tail) if tail else float("nan")
@@ -358,10 +364,10 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
                "total_s": total_s, "args": _jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows_for_plot = rows + [{"step": stats["steps"], "eval/accuracy": result["after"]}]
-    plot = tracking.plot_run(rows_for_plot, args.out / "grpo_offpolicy.png", before=result["before"],
-                             title=f"GRPO, max staleness {args.max_staleness}, is_level {args.is_level}",
+    plot = tracking.plot_run(rows_for_plot, args.out / plot_name, before=result["before"],
+                             title=f"{name}, max staleness {args.max_staleness}, is_level {args.is_level}",
                              start=result["start_step"])
-    print(f"GRPO: {stats['steps']} steps, {stats['samples_trained']} samples in {stats['wall_s']:.0f}s "
+    print(f"{name}: {stats['steps']} steps, {stats['samples_trained']} samples in {stats['wall_s']:.0f}s "
           f"({stats['samples_per_s']:.0f} samples/s; train {stats['train_s']:.0f}s, sync {stats['sync_s']:.0f}s, "
           f"eval {result['eval_s']:.0f}s); dropped {stats['dropped']}; mean staleness {stale:.2f}")
     print(f"final reward (mean of last 10 steps): {final_reward:.3f}")
