@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.examples import grpo_offpolicy, tool_use, tracking
+from asyncrl.examples import grpo_offpolicy, online_dpo, tool_use, tracking
 from asyncrl.metrics import make_monitor, optional_sinks
 
-EXAMPLES = [grpo_offpolicy, tool_use]
+EXAMPLES = [grpo_offpolicy, tool_use, online_dpo]
 MISSING = [p for p in ("tensorboard", "wandb") if importlib.util.find_spec(p) is None]
 
 
@@ -44,7 +44,7 @@ def test_auto_names_the_active_sinks_in_one_line(tmp_path: Path, capsys):
         assert "pip install 'asyncrl[tensorboard]'" in out[0]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("example", EXAMPLES[:2], ids=lambda m: m.__name__.rsplit(".", 1)[-1])  # online_dpo: below
 def test_checkpoint_flags_are_checked_and_resolved(example, tmp_path: Path, capsys):
     ckpt = tmp_path / "ckpt"
     args = example.parse_args(["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--wandb-run-name", "x"])
@@ -94,3 +94,12 @@ def test_data_flags_name_what_is_wrong(tmp_path: Path, tiny_model_dir: Path):
     task = common.task_from_args(grpo_offpolicy.parse_args(["--prompts", str(prompts), "--held-out", "2",
                                                             "--epochs", "3"]))
     assert task.epochs == 3 and task.train[0].answer == "5"  # GSM8K's question/answer layout, "#### N" kept
+
+
+def test_online_dpo_takes_the_demo_flags_and_its_own(tmp_path: Path, capsys):
+    args = online_dpo.parse_args(["--trainer", "nash_md", "--beta", "0.2", "--loss-type", "ipo", "--n", "4"])
+    assert (args.trainer, args.beta, args.loss_type, args.n) == ("nash_md", 0.2, "ipo", 4)
+    assert args.out == Path("runs/online_dpo") and args.lr == online_dpo.DPO_LR
+    with pytest.raises(SystemExit):
+        online_dpo.parse_args(["--resume", "latest", "--checkpoint-dir", str(tmp_path)])
+    assert "--resume: not offered for the preference trainers" in capsys.readouterr().err
