@@ -40,6 +40,12 @@ def grpo() -> int:
     return run_cli(grpo_offpolicy.cli)
 
 
+def online_dpo() -> int:
+    from asyncrl.examples import online_dpo as example
+
+    return run_cli(example.cli)
+
+
 def tool_use() -> int:
     from asyncrl.examples import tool_use as example
 

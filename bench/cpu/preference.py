@@ -2,6 +2,7 @@
 
     python -m bench.cpu.preference                       # 3 seeds x 4 trainers x 2 modes (about an hour on 2 cores)
     python -m bench.cpu.preference --seeds 0 --trainers dpo --steps 100
+    python -m bench.cpu.preference --trainers dpo --modes async --pair-is   # stale pairs importance-weighted
 
 Per seed the GRPO async run warm-starts the tiny model (``asyncrl.examples.grpo_offpolicy``); every other run of
 that seed starts from the same warm-started weights (``--model``), so all eight see the same policy before RL.
@@ -12,7 +13,9 @@ x 8 completions); async runs use the demo's default staleness (2), synchronous o
 Held-out greedy accuracy (200 problems, vLLM) is read before and after from each run's ``summary.json``. Goal:
 Online DPO gains at least +20 points in every seed. Writes ``bench/results/preference_<device>.json`` after
 every run (a cut-short run keeps what finished): per run the accuracy before and after, samples/s, the drops by
-reason, and per trainer and mode the mean gain, its spread and minimum.
+reason, and per trainer and mode the mean gain, its spread and minimum. ``--pair-is`` weights every pair by its
+truncated sequence importance weight (``PreferenceConfig.is_correction``) and writes ``preference_<device>_pair_is``
+instead: set beside the plain async runs, it says whether stale pairs need the weights.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--steps", type=int, default=300, help="learner steps of every run")
     p.add_argument("--runs-dir", type=Path, default=common.ROOT / "runs" / "preference")
+    p.add_argument("--pair-is", action="store_true", help="preference runs weight stale pairs (--pair-is)")
     return p.parse_args(argv)
 
 
@@ -46,7 +50,8 @@ def run_one(name: str, trainer: str, mode: str, seed: int, base: Path | None, ar
     out = args.runs_dir / name
     module = "asyncrl.examples.grpo_offpolicy" if trainer == "grpo" else "asyncrl.examples.online_dpo"
     flags = ["--seed", str(seed), "--steps", str(args.steps), *(["--synchronous"] if mode == "sync" else []),
-             *(["--trainer", trainer] if trainer != "grpo" else []), *(["--model", str(base)] if base else [])]
+             *(["--trainer", trainer] if trainer != "grpo" else []), *(["--model", str(base)] if base else []),
+             *(["--pair-is"] if args.pair_is and trainer != "grpo" else [])]
     cmd = [sys.executable, "-m", module, "--out", str(out), "--no-progress", "--tensorboard", "off", *flags]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = common.Result("preference", args, argv, module="bench.cpu.preference")
     rows: dict[str, dict[str, Any]] = {}
+    suffix = "_pair_is" if args.pair_is else ""
     for seed in args.seeds:
         base = args.runs_dir / f"seed{seed}_grpo_async" / "base"
         # GRPO async first: it warm-starts the seed's model, which every other run starts from
@@ -108,15 +114,17 @@ def main(argv: list[str] | None = None) -> None:
             wanted = trainer in args.trainers and mode in args.modes
             if not (warm or wanted):
                 continue
-            name = f"seed{seed}_{trainer}_{mode}"
+            name = f"seed{seed}_{trainer}_{mode}" + ("_pair_is" if args.pair_is and trainer != "grpo" else "")
+            if warm and (base / "config.json").is_file() and not wanted:
+                continue  # the seed's warm start is there already
             row = run_one(name, trainer, mode, seed, None if warm else base, args)
             if wanted:
                 rows[name] = row
-                result.write(summarise(rows))
+                result.write(summarise(rows), suffix=suffix)
     out = summarise(rows)
     for key, v in out["by_trainer"].items():
         print(f"{key}: gain {v['gain_mean'] * 100:+.1f} (sd {v['gain_std'] * 100:.1f}, min {v['gain_min'] * 100:+.1f})")
-    result.write(out)
+    result.write(out, suffix=suffix)
 
 
 if __name__ == "__main__":

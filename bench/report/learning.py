@@ -69,7 +69,31 @@ def tool_use(r: dict[str, Any]) -> list[str]:
             f"{pct(s['tool_rate_before']['mean'])} -> {pct(s['tool_rate_after']['mean'])}."]
 
 
+TRAINER_NAMES = {"grpo": "GRPO", "dpo": "Online DPO", "xpo": "XPO", "nash_md": "Nash-MD"}
+
+
+def preference(r: dict[str, Any]) -> list[str]:
+    """Every run as it came out, then per trainer and mode the mean gain with its spread."""
+    rows = [[TRAINER_NAMES[x["trainer"]], x["mode"], str(x["seed"]), pct(x["before"]), pct(x["after"]),
+             f"{x['gain'] * 100:+.1f}", num(x["samples_per_s"], 0), str(x["dropped"].get("preference_tie", 0)),
+             num(x["rl_wall_s"], 0)] for x in r["runs"].values()]
+    lines = table(["trainer", "mode", "seed", "held-out before", "after", "gain (points)", "samples/s",
+                   "tied groups dropped", "RL s"], rows)
+    summary = [[TRAINER_NAMES[key.rsplit("_", 1)[0]], key.rsplit("_", 1)[1], str(len(v["gains"])),
+                f"**{v['gain_mean'] * 100:+.1f}**", f"{v['gain_std'] * 100:.1f}", f"{v['gain_min'] * 100:+.1f}",
+                num(v["samples_per_s_mean"], 0)] for key, v in r["by_trainer"].items()]
+    lines += ["", *table(["trainer", "mode", "seeds", "mean gain", "sd", "min", "samples/s"], summary)]
+    dpo = [x["gain"] for x in r["runs"].values() if x["trainer"] == "dpo"]
+    if dpo:
+        lines += ["", f"Online DPO's goal, +{r['target_gain'] * 100:.0f} points in every seed: "
+                      f"**{'met' if r['dpo_meets_target'] else 'not met'}** (minimum {min(dpo) * 100:+.1f})."]
+    return lines
+
+
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "preference": ("Preference trainers against GRPO", "bench/cpu/preference.py: Online DPO, XPO and Nash-MD "
+                   "(judge from the exact answer) and GRPO on the demo's task, same warm-started model per seed, "
+                   "equal trained samples, synchronous and async (staleness 2).", preference),
     "demo_seeds": ("The demo over seeds and machine numerics", "make demo's recipe, 5 seeds and 4 perturbations "
                    "of seed 0 (2 torch threads, bf16 warm start, warm start stopped at 25% / 35%).", demo_seeds),
     "demo_lora": ("The demo with LoRA over seeds", "make demo ARGS=--lora: a LoRA adapter (rank 16) trained on "

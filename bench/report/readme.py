@@ -201,14 +201,38 @@ def lora_block(results_dir: Path) -> str:
     return "\n".join(lines) or "(no LoRA results yet: `python -m bench.cpu.demo_seeds --lora`, `bench/gpu/run_lora.sh`)"
 
 
+def preference_block(results_dir: Path) -> str:
+    """Held-out gains of the preference trainers and GRPO at equal samples, and whether weighting stale pairs
+    changed Online DPO's."""
+    from bench.report.learning import TRAINER_NAMES
+
+    x = _load(results_dir, "preference_cpu")
+    if x is None:
+        return "(no preference results yet: `python -m bench.cpu.preference`)"
+    r, source = x
+    parts = [f"{TRAINER_NAMES[key.rsplit('_', 1)[0]]} {key.rsplit('_', 1)[1]} **{v['gain_mean'] * 100:+.1f}** "
+             f"(sd {v['gain_std'] * 100:.1f}, min {v['gain_min'] * 100:+.1f})" for key, v in r["by_trainer"].items()]
+    seeds = sorted({row["seed"] for row in r["runs"].values()})
+    text = (f"Held-out accuracy gain in points over seeds {', '.join(map(str, seeds))}, at equal trained samples on "
+            f"the demo's task: {'; '.join(parts)} ({source}). Online DPO's goal of +{r['target_gain'] * 100:.0f} in "
+            f"every seed is {'met' if r['dpo_meets_target'] else '**not met**'}.")
+    if (y := _load(results_dir, "preference_cpu_pair_is")) is not None:
+        w, source = y
+        v = w["by_trainer"].get("dpo_async")
+        if v is not None:
+            text += (f" Online DPO async with stale pairs importance-weighted: **{v['gain_mean'] * 100:+.1f}** (sd "
+                     f"{v['gain_std'] * 100:.1f}, min {v['gain_min'] * 100:+.1f}) ({source}).")
+    return text
+
+
 # Which document holds which blocks.
-FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "lora")}
+FIGURED = {README: ("demo", "preference"), RESULTS: ("tool_use", "headline", "staleness", "lora")}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
     """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
     blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
-              "staleness": staleness_block, "lora": lora_block}
+              "staleness": staleness_block, "lora": lora_block, "preference": preference_block}
     for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {  # script -> what its --help must mention
     "asyncrl-grpo": ["--steps"],
     "asyncrl-tool-use": ["--steps"],
+    "asyncrl-online-dpo": ["--trainer"],
     "asyncrl-distributed-grpo": ["--servers"],
     "asyncrl-embedded-service": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
     "asyncrl-remote-learner": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
