@@ -151,3 +151,22 @@ def test_importance_weights_are_truncated_sequence_ratios(models):
 def test_a_preference_loss_needs_its_reference(models):
     with pytest.raises(ConfigError, match="ref_model"):
         OnlineDPOLoss(PreferenceConfig(), None)
+
+
+def test_under_lora_the_reference_is_the_base_with_the_adapter_disabled():
+    pytest.importorskip("peft")
+    from asyncrl.lora import LoraConfig, LoraReference, apply_lora
+
+    base = _model()
+    frozen = copy.deepcopy(base).requires_grad_(False)
+    policy = apply_lora(base, LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():  # a non-zero adapter: the policy and the base now disagree
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    with_lora = OnlineDPOLoss(PreferenceConfig(), LoraReference()).compute(policy, GROUPS)
+    with_copy = OnlineDPOLoss(PreferenceConfig(), frozen).compute(policy, GROUPS)
+    assert with_lora.loss.item() == pytest.approx(with_copy.loss.item(), rel=1e-5)
+    assert float(with_lora.metrics["pref/kl"]) != 0.0
+    grads_lora = torch.autograd.grad(with_lora.loss, [p for p in policy.parameters() if p.requires_grad])
+    assert any(g.abs().sum() > 0 for g in grads_lora), "the adapter is what trains"
