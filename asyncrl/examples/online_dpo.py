@@ -13,8 +13,8 @@ dropped and counted (``preference_tie``), as are groups whose judge raises or ti
 
 - ``dpo``: each group's best completion against its worst (``--n`` completions, judged round robin).
 - ``xpo``: each completion against one the frozen reference samples, served by a second vLLM engine started
-  from the warm-started weights and never published to; the loss adds ``--alpha`` times the policy's
-  log-prob of the reference's completion.
+  from the warm-started weights and never published to (with ``--lora``: by the same engine, requests without
+  the adapter); the loss adds ``--alpha`` times the policy's log-prob of the reference's completion.
 - ``nash_md``: each completion against one sampled from the geometric mixture of policy and reference
   (``--mixture-coef``), token by token in torch on this machine's CPU; the cost shows as ``judge/opponent_s``.
 
@@ -71,9 +71,12 @@ def reference_model(args: argparse.Namespace, model_dir: Path) -> Any:
     return grpo_offpolicy.load_policy(model_dir, frozen=True)
 
 
-async def start_opponent(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path, policy: Any,
-                         ref: Any) -> Any:
-    """XPO: a second engine on the base weights (no adapters); Nash-MD: the mixture sampler; DPO: none."""
+async def start_opponent(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path, engine: Any,
+                         policy: Any, ref: Any) -> Any:
+    """XPO: the base, served by the LoRA engine itself under --lora, else by a second engine on the base weights;
+    Nash-MD: the mixture sampler; DPO: none."""
+    if args.trainer == "xpo" and args.lora:
+        return engine.base_sampler()
     if args.trainer == "xpo":
         import dataclasses
 
@@ -113,9 +116,10 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
                                  args.batch_groups)
             policy = grpo_offpolicy.load_policy(model_dir, lora=grpo_offpolicy.lora_config(args))
             ref = reference_model(args, model_dir)
-            opponent = await start_opponent(args, task, tok, model_dir, policy, ref)
+            opponent = await start_opponent(args, task, tok, model_dir, engine, policy, ref)
             engine_s = time.perf_counter() - t_engine
-            print(f"engine{'s' if args.trainer == 'xpo' else ''} up in {engine_s:.0f}s", flush=True)
+            two = args.trainer == "xpo" and not args.lora
+            print(f"engine{'s' if two else ''} up in {engine_s:.0f}s", flush=True)
             source = common.rl_prompts(task, tok, args.seed)
             preference = PreferenceConfig(beta=args.beta, loss_type=args.loss_type, alpha=args.alpha,
                                           is_correction=args.pair_is)
@@ -135,10 +139,11 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
 
 async def _close(opponent: Any) -> None:
     from asyncrl.engines.vllm_local import VLLMEngine
+    from asyncrl.preference import MixtureSampler
 
-    if isinstance(opponent, VLLMEngine):
+    if isinstance(opponent, VLLMEngine):  # XPO's second engine (a base sampler closes with its engine)
         await opponent.close()
-    elif opponent is not None:
+    elif isinstance(opponent, MixtureSampler):
         opponent.close()
 
 

@@ -7,7 +7,8 @@ trainer     judged against                         opponent (``opponent=``)
 ==========  =====================================  ============================================================
 ``dpo``     each other (best against worst of n)   none
 ``xpo``     one reference completion each          a sampler serving the frozen reference: a second engine
-                                                   started from the base weights, never published to
+                                                   started from the base weights, never published to, or a
+                                                   LoRA engine's base (``VLLMEngine.base_sampler()``)
 ``nash_md`` one mixture completion each            a ``MixtureSampler`` (torch, this process: vLLM cannot mix
                                                    two models' logits), refreshed after every learner step
 ==========  =====================================  ============================================================

@@ -23,7 +23,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.errors import ConfigError, WeightUpdateError
 from asyncrl.lora import LoraConfig, adapter_state, apply_lora
 from tests.support import engine_config, load_hf_model
-from tests.support.lora import ADAPTER, adapter_source, peft_model, three_modes
+from tests.support.lora import ADAPTER, adapter_source, peft_model, sample_gaps, three_modes
 from tests.support.remote_engine import _cfg, _device_args
 from tests.support.vllm_engine import _prompt
 
@@ -115,3 +115,24 @@ async def test_an_engine_refuses_what_it_cannot_serve(lora_engine, vllm_engine, 
     with pytest.raises(ConfigError, match="sleep"):
         engine_config(tiny_model_dir, lora=SERVING, sleep=1)
 
+
+
+@MODULE_LOOP
+async def test_the_base_sampler_samples_the_frozen_base_beside_the_adapter(lora_engine, vllm_engine, tiny_model_dir,
+                                                                          tokenizer):
+    """XPO's reference without a second engine: the LoRA engine's base, requested without the adapter, samples
+    what the plain model gives (version 0 throughout), while the engine itself samples the adapter's."""
+    adapted = peft_model(tiny_model_dir, 41)
+    await WeightSync(lora_engine, VersionClock(lora_engine.version), SyncConfig()).publish(adapter_source(adapted))
+    base = lora_engine.base_sampler()
+    prompt, params = _prompt(tokenizer), SamplingConfig(n=4, max_tokens=6)
+    from_base = await base.generate(prompt, params, request_id="base")
+    from_adapter = await lora_engine.generate(prompt, params, request_id="adapter")
+    plain = load_hf_model(tiny_model_dir)
+    assert max(sample_gaps(plain, prompt, from_base)) < TOL
+    assert max(sample_gaps(adapted, prompt, from_adapter)) < TOL
+    assert max(sample_gaps(plain, prompt, from_adapter)) > 10 * TOL, "the adapter changes what is sampled"
+    assert all(s.version_spans[0].version == 0 for s in from_base) and base.version == 0
+    assert all(s.newest_version == lora_engine.version for s in from_adapter)
+    with pytest.raises(ConfigError, match="serves no adapters"):
+        vllm_engine.base_sampler()

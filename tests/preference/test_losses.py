@@ -94,8 +94,10 @@ def test_xpo_orients_each_pair_by_the_judge_and_adds_the_exploration_term(models
     tied = RolloutGroup("t", Prompt("t", (4,)), (Rollout(sample([9, 9]), 0.5),), opponents=(sample([3]),))
     out = XPOLoss(PreferenceConfig(beta=beta, alpha=alpha), ref).compute(policy, [group, tied])
     pairs = [([1, 2, 3], [5, 6], [20, 21]), ([1, 2, 3], [22], [7])]  # the second completion lost to the reference
-    dpo = torch.stack([-F.logsigmoid(beta * ((seq(policy, p, c) - seq(ref, p, c)) - (seq(policy, p, r) - seq(ref, p, r))))
-                       for p, c, r in pairs]).mean()  # the tied pair adds nothing to the DPO term
+    def margin(p, c, r):
+        return (seq(policy, p, c) - seq(ref, p, c)) - (seq(policy, p, r) - seq(ref, p, r))
+
+    dpo = torch.stack([-F.logsigmoid(beta * margin(p, c, r)) for p, c, r in pairs]).mean()  # ties add nothing
     explore = alpha * torch.stack([seq(policy, [1, 2, 3], [20, 21]), seq(policy, [1, 2, 3], [22]),
                                    seq(policy, [4], [3])]).mean()
     expected = dpo + explore

@@ -1,12 +1,18 @@
 """The in-process engine's side of LoRA publication (``transports.adapters``): vLLM's ``add_lora`` /
-``remove_lora`` / ``list_loras``, and the ``LoRARequest`` each request names."""
+``remove_lora`` / ``list_loras``, the ``LoRARequest`` each request names, and the engine's base as a sampler of
+its own (requests that name no adapter)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from asyncrl.config import SamplingConfig
 from asyncrl.engines.transports.adapters import AdapterPort, ServedAdapter
+from asyncrl.types import Sample
+
+if TYPE_CHECKING:
+    from asyncrl.engines.vllm_local.engine import VLLMEngine
 
 
 def lora_request(adapter: ServedAdapter | None) -> Any:
@@ -34,3 +40,32 @@ class LocalAdapterPort(AdapterPort):
 
     async def holds(self, adapter: ServedAdapter) -> bool:
         return adapter.lora_id in await self._call(self._llm().list_loras())
+
+
+class BaseSampler:
+    """The frozen base under a LoRA engine's adapters, as a ``Sampler``: the same engine, requests without an
+    adapter, version 0 throughout. Its requests pause and resume with the engine's publications."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self.name = f"{engine.name}/base"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def serving_dtype(self) -> str | None:
+        return self._engine.serving_dtype
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        return await self._engine.generate(prompt_ids, params, request_id, n, base=True)

@@ -28,7 +28,7 @@ from asyncrl.engines.env import scoped_env
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
 from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport
-from asyncrl.engines.vllm_local.adapters import LocalAdapterPort, lora_request
+from asyncrl.engines.vllm_local.adapters import BaseSampler, LocalAdapterPort, lora_request
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.llm_internals import (
@@ -47,7 +47,7 @@ from asyncrl.engines.vllm_local.llm_internals import (
 )
 from asyncrl.engines.vllm_local.sleep import SleepControl, SleepCounters, SleepTransport
 from asyncrl.engines.weights import manifest_dtype, read_manifest
-from asyncrl.errors import EngineError, PromptRejected
+from asyncrl.errors import ConfigError, EngineError, PromptRejected
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -168,21 +168,30 @@ class VLLMEngine(Engine):
             **extra)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
-                       n: int | None = None) -> list[Sample]:
+                       n: int | None = None, *, base: bool = False) -> list[Sample]:
+        """``Sampler.generate``; ``base=True`` (a LoRA engine: ``base_sampler``) samples the base model, without
+        the adapter, every token tagged version 0 (the base never changes)."""
         max_tokens = completion_room(prompt_ids, self._cfg.max_model_len, params.max_tokens)
         self._raise_if_dead()
         ids = [f"{request_id}-{i}" for i in range(params.n if n is None else n)]
-        return await together(*(self._one(prompt_ids, self.sampling_params(params, rid, max_tokens), rid)
+        return await together(*(self._one(prompt_ids, self.sampling_params(params, rid, max_tokens), rid, base)
                                 for rid in ids))
 
-    async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str) -> Sample:
+    def base_sampler(self) -> BaseSampler:
+        """A LoRA engine's frozen base as a ``Sampler`` of its own (XPO's reference, without a second engine)."""
+        if self._adapters is None:
+            raise ConfigError("VLLMEngineConfig.lora", f"engine {self.name} serves no adapters: its weights are "
+                                                       "the policy's, not a frozen base")
+        return BaseSampler(self)
+
+    async def _one(self, prompt_ids: tuple[int, ...], sp: Any, request_id: str, base: bool = False) -> Sample:
         # vLLM aborts the request itself when this generator is closed by cancellation.
         spans = SpanBuilder()
-        version_at_submit = self._version
+        version_at_submit = 0 if base else self._version
         token_ids: list[int] = []
         logprobs: list[float] = []
         final = None
-        with self._hold_adapter() as adapter:
+        with contextlib.nullcontext() if base else self._hold_adapter() as adapter:
             async for out in self._guard(self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sp,
                                                             request_id=request_id, lora_request=lora_request(adapter)),
                                          request_id):
