@@ -1,6 +1,7 @@
-"""Shutdown leaves no socket file: vLLM binds its IPC endpoints as UNIX sockets named by UUIDs under
-VLLM_RPC_BASE_PATH (the temp dir by default) and never removes them; each engine and server we start puts
-them in a private directory that goes at shutdown, cancelled or killed ones included.
+"""Shutdown leaves no socket file (nor vLLM's rendezvous file): vLLM binds its IPC endpoints as UNIX sockets
+named by UUIDs under VLLM_RPC_BASE_PATH (the temp dir by default) and never removes them; each engine and server
+we start puts them in a private directory that goes at shutdown, cancelled or killed ones included. An in-process
+engine also removes the ``file://`` rendezvous file vLLM leaves in the temp dir.
 
 The base is a directory of the test's own (set through VLLM_RPC_BASE_PATH, which the private directories go
 under), so that nothing else running on the machine puts files where the test looks.
@@ -54,21 +55,33 @@ async def _until(cond: Callable[[], bool], timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_an_engine_closed_or_cancelled_while_starting_leaves_no_socket_file(tiny_model_dir: Path,
-                                                                                 base: Path) -> None:
+async def test_an_engine_closed_or_cancelled_while_starting_leaves_no_socket_file(
+        tiny_model_dir: Path, base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = await VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16), name="sockets")
+    rendezvous = list(engine._store_files)  # vLLM's file:// rendezvous, which it never removes either
     try:
         assert _bound_sockets(base)(), "the running engine's sockets are in its own directory"
+        assert rendezvous and all(f.is_file() for f in rendezvous)
     finally:
         await engine.close()
     assert not list(base.iterdir())
+    assert not any(f.exists() for f in rendezvous), "the rendezvous file goes with the engine"
 
+    closed: list[Path] = []
+    close = VLLMEngine.close
+
+    async def recording_close(self: VLLMEngine) -> None:
+        closed.extend(self._store_files)
+        await close(self)
+
+    monkeypatch.setattr(VLLMEngine, "close", recording_close)
     start = asyncio.create_task(VLLMEngine.start(engine_config(tiny_model_dir, max_num_seqs=16)))
     await _until(_bound_sockets(base))
     start.cancel()
     with pytest.raises(asyncio.CancelledError):
         await start
     assert not list(base.iterdir())
+    assert closed and not any(f.exists() for f in closed), "nor does a cancelled start's rendezvous file"
 
 
 @pytest.fixture

@@ -78,6 +78,7 @@ class VLLMEngine(Engine):
         self._sleep: SleepTransport | None = None  # with VLLMEngineConfig.sleep
         self._adapters: AdapterTransport | None = None  # with VLLMEngineConfig.lora
         self._probes = itertools.count()
+        self._store_files: list[Path] = []  # vLLM's rendezvous files, removed by close()
         self._transport = self._make_transport()
 
     def _make_transport(self) -> WeightTransport:
@@ -123,6 +124,7 @@ class VLLMEngine(Engine):
             engine._watch()
             await engine._rpc("asyncrl_record_ties")
             await engine._rpc("asyncrl_die_with", os.getpid())
+            engine._store_files = [Path(f) for f in await engine._rpc("asyncrl_store_file") if f]
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:
@@ -388,6 +390,8 @@ class VLLMEngine(Engine):
             self._llm = ClosedLLM()  # late calls fail with a clear error instead of reaching a dead engine
             await self._transport.close()
             remove_rpc_dir(self._rpc_dir)
+            for path in self._store_files:  # the processes that used them are gone
+                path.unlink(missing_ok=True)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
 
 
@@ -406,4 +410,9 @@ async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConf
     except Exception:
         remove_rpc_dir(rpc_dir)
         return  # it failed to start: nothing runs
-    await VLLMEngine(llm, cfg, name, rpc_dir).close()
+    engine = VLLMEngine(llm, cfg, name, rpc_dir)
+    try:
+        engine._store_files = [Path(f) for f in await engine._rpc("asyncrl_store_file") if f]
+    except Exception:  # a half-started engine may not answer: its processes still go
+        log.debug("engine %s: no rendezvous file to remove", name, exc_info=True)
+    await engine.close()

@@ -98,6 +98,12 @@ class AsyncRLWorkerExtension:
             logging.getLogger(LAYERWISE_LOGGER).addFilter(_TiedLayerNotice(names))
         return len(self._asyncrl_aliases)
 
+    def asyncrl_store_file(self) -> str | None:
+        """The file of vLLM's ``file://`` rendezvous for this worker, if it used one: vLLM never removes it (its
+        processes end killed), so the engine removes it once they are gone."""
+        method = getattr(self, "distributed_init_method", None) or ""
+        return method.removeprefix("file://") if method.startswith("file://") else None
+
     def asyncrl_die_with(self, starter: int) -> bool:
         """Called once after start-up: end this engine's processes when ``starter`` exits (``starter_watch``)."""
         from asyncrl.engines.vllm_local.starter_watch import die_with
