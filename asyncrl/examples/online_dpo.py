@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pref.add_argument("--loss-type", choices=("sigmoid", "ipo"), default="sigmoid")
     pref.add_argument("--alpha", type=float, default=1e-5, help="XPO's exploration weight")
     pref.add_argument("--mixture-coef", type=float, default=0.5, help="Nash-MD: the reference's share of the logits")
+    pref.add_argument("--pairs", choices=("best_worst", "all"), default="best_worst",
+                      help="Online DPO's pairs in a group: its best against its worst, or every two judged apart")
     pref.add_argument("--pair-is", action="store_true",
                       help="weight pairs by their truncated sequence importance weight (proximal/behaviour)")
     args = p.parse_args(argv)
@@ -122,7 +124,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
             print(f"engine{'s' if two else ''} up in {engine_s:.0f}s", flush=True)
             source = common.rl_prompts(task, tok, args.seed)
             preference = PreferenceConfig(beta=args.beta, loss_type=args.loss_type, alpha=args.alpha,
-                                          is_correction=args.pair_is)
+                                          is_correction=args.pair_is, pairs=args.pairs)
             pipeline = preference_pipeline(engine, policy, source, judge_of(task), config, trainer=args.trainer,
                                            preference=preference, ref_model=ref, opponent=opponent,
                                            pad_id=grpo_offpolicy._pad_id(tok), monitor=monitor, close_engine=False)

@@ -38,8 +38,13 @@ from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.config_base import Flag, NonNegativeFloat, PositiveFloat, config
 from asyncrl.types import RolloutGroup, Sample
 
-__all__ = ["NashMDLoss", "OnlineDPOLoss", "PreferenceConfig", "PreferenceLossType", "XPOLoss", "dpo_losses",
-           "nash_md_losses", "pair_weights"]
+__all__ = ["NashMDLoss", "OnlineDPOLoss", "PairSelection", "PreferenceConfig", "PreferenceLossType", "XPOLoss",
+           "dpo_losses", "nash_md_losses", "pair_weights"]
+
+
+class PairSelection(str, enum.Enum):
+    BEST_WORST = "best_worst"  # a group's best completion against its worst: one pair per group
+    ALL = "all"  # every two completions the judge scored differently, the better one chosen
 
 
 class PreferenceLossType(str, enum.Enum):
@@ -56,6 +61,9 @@ class PreferenceConfig:
     loss_type: Annotated[PreferenceLossType, Field(description="'sigmoid' (DPO) or 'ipo'")] = (
         PreferenceLossType.SIGMOID)
     alpha: Annotated[NonNegativeFloat, Field(description="XPO's exploration weight")] = 1e-5
+    pairs: Annotated[PairSelection, Field(description=(
+        "Online DPO's pairs within a group: 'best_worst' (one) or 'all' (every two scored differently)"))] = (
+        PairSelection.BEST_WORST)
     is_correction: Annotated[Flag, Field(description=(
         "weight each pair (Nash-MD: each completion) by its sequence importance weight, proximal over "
         "behaviour, truncated at is_cap"))] = False
@@ -126,26 +134,28 @@ class _PreferenceLoss(Loss):
         self.sampling = sampling or SamplingConfig()  # scored at the sampling temperature
         self.pad_id = pad_id
 
-    def _dpo(self, model: torch.nn.Module, chosen: list[Sample], rejected: list[Sample],
-             prompts: list[tuple[int, ...]], decisive: list[bool] | None = None
+    def _dpo(self, model: torch.nn.Module, samples: list[Sample], prompts: list[tuple[int, ...]],
+             pairs: list[tuple[int, int]], decisive: list[bool] | None = None
              ) -> tuple[Tensor, dict[str, Tensor], _Scored]:
-        """The DPO/IPO loss of the pairs (mean over the ``decisive`` ones, default all) and its metrics; scores
-        chosen and rejected in one batch (chosen first)."""
-        scored = _Scored(self, model, prompts + prompts, chosen + rejected)
-        p = len(chosen)
-        losses, h = dpo_losses(scored.logp[:p], scored.logp[p:], scored.ref_logp[:p], scored.ref_logp[p:],
+        """The DPO/IPO loss of ``pairs`` (indices of chosen and rejected into ``samples``, each scored once) as a
+        mean over the ``decisive`` ones (default all), and its metrics."""
+        scored = _Scored(self, model, prompts, samples)
+        c = torch.tensor([i for i, _ in pairs], device=scored.logp.device)
+        r = torch.tensor([j for _, j in pairs], device=scored.logp.device)
+        losses, h = dpo_losses(scored.logp[c], scored.logp[r], scored.ref_logp[c], scored.ref_logp[r],
                                self.cfg.beta, self.cfg.loss_type)
-        weights = (pair_weights(scored.behaviour_log_ratio[:p] + scored.behaviour_log_ratio[p:], self.cfg.is_cap)
+        weights = (pair_weights(scored.behaviour_log_ratio[c] + scored.behaviour_log_ratio[r], self.cfg.is_cap)
                    if self.cfg.is_correction else torch.ones_like(losses))
         is_weight_mean = weights.mean()
+        p = len(pairs)
         if decisive is not None:  # a tied pair has no side to prefer: it adds nothing to the DPO term
             weights = weights * torch.tensor(decisive, dtype=weights.dtype, device=weights.device)
         loss = (weights * losses).sum() / max(1, p if decisive is None else sum(decisive))
         beta = self.cfg.beta
         kl = (scored.logp - scored.ref_logp).detach()
         metrics = {"loss/policy": loss.detach(), "pref/margin": (beta * h).detach().mean(),
-                   "pref/chosen_reward": (beta * (scored.logp[:p] - scored.ref_logp[:p])).detach().mean(),
-                   "pref/rejected_reward": (beta * (scored.logp[p:] - scored.ref_logp[p:])).detach().mean(),
+                   "pref/chosen_reward": (beta * (scored.logp[c] - scored.ref_logp[c])).detach().mean(),
+                   "pref/rejected_reward": (beta * (scored.logp[r] - scored.ref_logp[r])).detach().mean(),
                    "pref/accuracy": (h > 0).float().mean(), "pref/kl": kl.mean(),
                    "pref/is_weight_mean": is_weight_mean, "pref/pairs": torch.tensor(float(p)),
                    "pref/decisive_frac": torch.tensor(1.0 if decisive is None else sum(decisive) / max(1, p))}
@@ -158,14 +168,22 @@ class OnlineDPOLoss(_PreferenceLoss):
     min_group_size = 2  # a pair
 
     def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
-        chosen, rejected = [], []
+        samples, prompts, pairs = [], [], []
         for g in _non_empty(groups):
-            ranked = sorted(g.rollouts, key=lambda r: r.reward)
-            chosen.append(ranked[-1].sample)
-            rejected.append(ranked[0].sample)
-        loss, metrics, _ = self._dpo(model, chosen, rejected, [g.prompt.token_ids for g in groups])
+            first = len(samples)
+            samples.extend(r.sample for r in g.rollouts)
+            prompts.extend(g.prompt.token_ids for _ in g.rollouts)
+            pairs.extend((first + i, first + j) for i, j in self._pairs(g.rewards))
+        loss, metrics, _ = self._dpo(model, samples, prompts, pairs)
         return LossOutput(loss=loss, metrics={**metrics, "loss/total": loss.detach()},
                           num_tokens=sum(g.num_tokens for g in groups))
+
+    def _pairs(self, scores: tuple[float, ...]) -> list[tuple[int, int]]:
+        """(chosen, rejected) within one group: its best and worst, or every pair of unequal scores."""
+        if self.cfg.pairs is PairSelection.ALL:
+            return [(i, j) for i in range(len(scores)) for j in range(len(scores)) if scores[i] > scores[j]]
+        order = sorted(range(len(scores)), key=lambda i: scores[i])
+        return [(order[-1], order[0])]
 
     def inert(self, group: RolloutGroup) -> bool:
         rewards = group.rewards
@@ -179,21 +197,19 @@ class XPOLoss(_PreferenceLoss):
     min_group_size = 1
 
     def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
-        chosen, rejected, prompts, decisive, won = [], [], [], [], []
+        samples, prompts, pairs, decisive, opponent_at = [], [], [], [], []
         for g in _non_empty(groups):
             if len(g.opponents) != len(g.rollouts):
                 raise ValueError(f"group {g.group_id}: XPO needs one reference completion per rollout "
                                  f"(RolloutGroup.opponents), got {len(g.opponents)} for {len(g.rollouts)}")
             for r, o in zip(g.rollouts, g.opponents):
-                wins = r.reward > 0.5
-                chosen.append(r.sample if wins else o)
-                rejected.append(o if wins else r.sample)
-                prompts.append(g.prompt.token_ids)
+                mine, theirs = len(samples), len(samples) + 1
+                samples += [r.sample, o]
+                prompts += [g.prompt.token_ids] * 2
+                pairs.append((mine, theirs) if r.reward > 0.5 else (theirs, mine))
                 decisive.append(r.reward != 0.5)
-                won.append(wins)
-        # where each reference completion sits in the scored batch (chosen first, then rejected)
-        opponent_at = [len(chosen) + i if w else i for i, w in enumerate(won)]
-        dpo, metrics, scored = self._dpo(model, chosen, rejected, prompts, decisive)
+                opponent_at.append(theirs)
+        dpo, metrics, scored = self._dpo(model, samples, prompts, pairs, decisive)
         opponent_logp = scored.logp[torch.tensor(opponent_at, device=scored.logp.device)]
         exploration = self.cfg.alpha * opponent_logp.mean()
         loss = dpo + exploration

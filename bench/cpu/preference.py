@@ -15,11 +15,13 @@ Online DPO gains at least +20 points in every seed. Writes ``bench/results/prefe
 every run (a cut-short run keeps what finished): per run the accuracy before and after, samples/s, the drops by
 reason, and per trainer and mode the mean gain, its spread and minimum. ``--pair-is`` weights every pair by its
 truncated sequence importance weight (``PreferenceConfig.is_correction``) and writes ``preference_<device>_pair_is``
-instead: set beside the plain async runs, it says whether stale pairs need the weights.
+instead: set beside the plain async runs, it says whether stale pairs need the weights. ``--resume FILE`` keeps
+the runs an interrupted invocation finished (each row carries its own date) and runs the rest.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--steps", type=int, default=300, help="learner steps of every run")
     p.add_argument("--runs-dir", type=Path, default=common.ROOT / "runs" / "preference")
     p.add_argument("--pair-is", action="store_true", help="preference runs weight stale pairs (--pair-is)")
+    p.add_argument("--resume", type=Path, help="a results file of this benchmark: its runs are kept, not run again")
     return p.parse_args(argv)
 
 
@@ -64,7 +67,8 @@ def run_one(name: str, trainer: str, mode: str, seed: int, base: Path | None, ar
     summary = json.loads((out / "summary.json").read_text())
     stats = summary["stats"]
     last = _last_metrics(out / "metrics.jsonl")
-    row = {"trainer": trainer, "mode": mode, "seed": seed, "flags": flags, "before": summary["before"],
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    row = {"trainer": trainer, "mode": mode, "seed": seed, "flags": flags, "date": date, "before": summary["before"],
            "after": summary["after"], "gain": summary["after"] - summary["before"],
            "samples_trained": stats["samples_trained"], "samples_per_s": stats["samples_per_s"],
            "rl_wall_s": stats["wall_s"], "dropped": stats["dropped"], "staleness_mean": summary["staleness_mean"],
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = common.Result("preference", args, argv, module="bench.cpu.preference")
     rows: dict[str, dict[str, Any]] = {}
+    if args.resume is not None:  # an interrupted invocation: keep what it finished (each row has its date)
+        earlier = json.loads(args.resume.read_text())
+        rows = {k: {"date": earlier["date"], **v} for k, v in earlier["results"]["runs"].items()}
+        print(f"resuming: {len(rows)} runs kept from {args.resume}", flush=True)
     suffix = "_pair_is" if args.pair_is else ""
     for seed in args.seeds:
         base = args.runs_dir / f"seed{seed}_grpo_async" / "base"
@@ -115,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             if not (warm or wanted):
                 continue
             name = f"seed{seed}_{trainer}_{mode}" + ("_pair_is" if args.pair_is and trainer != "grpo" else "")
-            if warm and (base / "config.json").is_file() and not wanted:
-                continue  # the seed's warm start is there already
+            if name in rows or (warm and (base / "config.json").is_file() and not wanted):
+                continue  # kept from the resumed file, or the seed's warm start is there already
             row = run_one(name, trainer, mode, seed, None if warm else base, args)
             if wanted:
                 rows[name] = row

@@ -172,3 +172,23 @@ def test_under_lora_the_reference_is_the_base_with_the_adapter_disabled():
     assert float(with_lora.metrics["pref/kl"]) != 0.0
     grads_lora = torch.autograd.grad(with_lora.loss, [p for p in policy.parameters() if p.requires_grad])
     assert any(g.abs().sum() > 0 for g in grads_lora), "the adapter is what trains"
+
+
+def test_online_dpo_with_all_pairs_takes_every_two_completions_judged_apart(models):
+    policy, ref = models
+    beta = 0.3
+    out = OnlineDPOLoss(PreferenceConfig(beta=beta, pairs="all"), ref).compute(policy, GROUPS)
+    terms = []
+    for g in GROUPS:
+        p = list(g.prompt.token_ids)
+        for a in g.rollouts:
+            for b in g.rollouts:
+                if a.reward > b.reward:
+                    c, r = list(a.sample.token_ids), list(b.sample.token_ids)
+                    h = (seq(policy, p, c) - seq(ref, p, c)) - (seq(policy, p, r) - seq(ref, p, r))
+                    terms.append(-F.logsigmoid(beta * h))
+    assert len(terms) == 6 + 1 and float(out.metrics["pref/pairs"]) == 7
+    expected = torch.stack(terms).mean()
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    for a, b in zip(grads(policy, out.loss), grads(policy, expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
