@@ -5,6 +5,7 @@ and what reaches each loss is what it needs (pairs, the reference's completions,
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import pytest_asyncio
@@ -19,21 +20,32 @@ from tests.support.pipelines import pipeline_config, task_prompts
 pytestmark = pytest.mark.vllm
 
 
-def flaky_judge():
+class FlakyJudge:
     """Prefers the longer completion (then the larger ids: a tiny random model rarely ties). Prompts q{5k+1}
-    make it raise, prompts q{5k+2} make it wait for ever (the timeout drops them)."""
-    never = asyncio.Event()
+    make it raise, prompts q{5k+2} make it wait for ever (the timeout drops them); ``failed`` is set once it has
+    done both (a thread event: the learner's thread waits on it)."""
 
-    async def judge(prompt, a, b):
+    def __init__(self) -> None:
+        self.raised, self.timed_out, self.failed = False, False, threading.Event()
+
+    async def __call__(self, prompt, a, b):
         index = int(prompt.prompt_id[1:])
         if index % 5 == 1:
+            self._mark(raised=True)
             raise RuntimeError("judge service down")
         if index % 5 == 2:
-            await never.wait()
+            try:
+                await asyncio.Event().wait()
+            finally:  # cancelled by the scorer's timeout: the drop is counted in this same step of the loop
+                self._mark(timed_out=True)
         ka, kb = (len(a.token_ids), a.token_ids), (len(b.token_ids), b.token_ids)
         return 0.5 if ka == kb else float(ka > kb)
 
-    return judge
+    def _mark(self, raised: bool = False, timed_out: bool = False) -> None:
+        self.raised |= raised
+        self.timed_out |= timed_out
+        if self.raised and self.timed_out:
+            self.failed.set()
 
 
 def config():
@@ -44,13 +56,17 @@ def config():
 
 
 class Seen:
-    """Records the groups each loss call saw."""
+    """Records the groups each loss call saw; the last step waits until the judge has both raised and timed
+    out, so those drops are on the books before the run ends, however slow the machine."""
 
-    def __init__(self, loss) -> None:
-        self.loss, self.groups = loss, []
+    def __init__(self, loss, judge: FlakyJudge, steps: int) -> None:
+        self.loss, self.groups, self.calls = loss, [], 0
         original = loss.compute
 
         def compute(model, groups, **kw):
+            self.calls += 1
+            if self.calls == steps:
+                assert judge.failed.wait(120), "the judge never both raised and timed out"
             self.groups.extend(groups)
             return original(model, groups, **kw)
 
@@ -59,10 +75,11 @@ class Seen:
 
 async def run(engine, tiny_model_dir, tokenizer, trainer, opponent=None, steps=3):
     ref = load_hf_model(tiny_model_dir).requires_grad_(False)
-    pipe = preference_pipeline(engine, load_hf_model(tiny_model_dir), task_prompts(tokenizer), flaky_judge(),
+    judge = FlakyJudge()
+    pipe = preference_pipeline(engine, load_hf_model(tiny_model_dir), task_prompts(tokenizer), judge,
                                config(), trainer=trainer, preference=PreferenceConfig(beta=0.1), ref_model=ref,
                                opponent=opponent, pad_id=tokenizer.pad_token_id, close_engine=False)
-    seen, metrics = Seen(pipe.learner.loss), []
+    seen, metrics = Seen(pipe.learner.loss, judge, steps), []
     pipe.learner.hooks.append(lambda step, m: metrics.append(dict(m)))
     stats = await pipe.run(steps)
     assert stats.steps == steps and stats.unaccounted == 0
@@ -118,7 +135,7 @@ async def test_nash_md_judges_against_a_mixture_that_follows_the_policy(vllm_eng
 @pytest.mark.asyncio(loop_scope="session")
 async def test_each_trainer_refuses_the_wrong_opponent(vllm_engine, tiny_model_dir, tokenizer):
     ref = load_hf_model(tiny_model_dir)
-    args = (vllm_engine, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 10), flaky_judge(), config())
+    args = (vllm_engine, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 10), FlakyJudge(), config())
     with pytest.raises(ConfigError, match="takes no opponent"):
         preference_pipeline(*args, trainer="dpo", ref_model=ref, opponent=vllm_engine)
     with pytest.raises(ConfigError, match="reference's completions"):
