@@ -43,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--steps", type=int, default=300, help="learner steps of every run")
-    p.add_argument("--runs-dir", type=Path, default=common.ROOT / "runs" / "preference")
+    p.add_argument("--runs-dir", type=Path, default=common.ROOT / "runs" / "preference",
+                   help="run directories; the seeds' warm starts are looked up here")
     p.add_argument("--pair-is", action="store_true", help="preference runs weight stale pairs (--pair-is)")
+    p.add_argument("--tag", default="", help="results file and run suffix (preference_<device>_<tag>)")
     p.add_argument("--resume", type=Path, help="a results file of this benchmark: its runs are kept, not run again")
     return p.parse_args(argv)
 
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         earlier = json.loads(args.resume.read_text())
         rows = {k: {"date": earlier["date"], **v} for k, v in earlier["results"]["runs"].items()}
         print(f"resuming: {len(rows)} runs kept from {args.resume}", flush=True)
-    suffix = "_pair_is" if args.pair_is else ""
+    suffix = ("_pair_is" if args.pair_is else "") + (f"_{args.tag}" if args.tag else "")
     for seed in args.seeds:
         base = args.runs_dir / f"seed{seed}_grpo_async" / "base"
         # GRPO async first: it warm-starts the seed's model, which every other run starts from
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
             wanted = trainer in args.trainers and mode in args.modes
             if not (warm or wanted):
                 continue
-            name = f"seed{seed}_{trainer}_{mode}" + ("_pair_is" if args.pair_is and trainer != "grpo" else "")
+            name = (f"seed{seed}_{trainer}_{mode}" + ("_pair_is" if args.pair_is and trainer != "grpo" else "")
+                    + (f"_{args.tag}" if args.tag and not warm else ""))
             if name in rows or (warm and (base / "config.json").is_file() and not wanted):
                 continue  # kept from the resumed file, or the seed's warm start is there already
             row = run_one(name, trainer, mode, seed, None if warm else base, args)

@@ -15,7 +15,7 @@ from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import LearnerConfig
 from asyncrl.actors.probe import policy_logprobs
 from asyncrl.config import SamplingConfig, SyncConfig
-from asyncrl.engines.updates import AdapterWeights
+from asyncrl.engines.updates import AdapterWeights, WeightUpdate
 from asyncrl.lora import LoraConfig, LoraReference, adapter_state, apply_lora
 from asyncrl.types import FinishReason, PauseMode, Sample
 from asyncrl.versions import VersionClock
@@ -99,10 +99,22 @@ async def swap_across_requests(engine: Any, mode: PauseMode, old: torch.nn.Modul
     """Publish ``new`` over ``old`` (already served) while requests run, in ``mode``; check both sides. ``gap``
     reduces the per-token gaps to the figure compared with ``tol`` (the largest; the mean in bfloat16)."""
     before = engine.version
-    long = SamplingConfig(n=2, max_tokens=engine.max_model_len - len(prompt), ignore_eos=True, seed=3)
-    task = asyncio.create_task(engine.generate(prompt, long, f"inflight-{mode.value}"))
-    await _flowing(engine, task)
-    timing = await WeightSync(engine, VersionClock(before), SyncConfig(mode=mode)).publish(adapter_source(new))
+    # Staged before the requests start, so the pause lands while they run, however slow staging is on a loaded
+    # machine (a publication stages first, and requests this short could end meanwhile); then the pause, load
+    # and resume a publication does.
+    update = await engine.prepare(WeightUpdate(before + 1, adapter_source(new)))
+    try:
+        long = SamplingConfig(n=2, max_tokens=engine.max_model_len - len(prompt), ignore_eos=True, seed=3)
+        task = asyncio.create_task(engine.generate(prompt, long, f"inflight-{mode.value}"))
+        await _flowing(engine, task)
+        await engine.pause(mode, True)
+        try:
+            await engine.load(update)
+        finally:
+            await engine.resume()
+    finally:
+        engine.release(update)
+    assert engine.version == before + 1
     inflight = await asyncio.wait_for(task, 120)
     # Every token of a request in flight across the swap came from the adapter it was submitted with.
     spans = [[(v.version, v.start, v.end) for v in s.version_spans] for s in inflight]
@@ -112,7 +124,7 @@ async def swap_across_requests(engine: Any, mode: PauseMode, old: torch.nn.Modul
     assert finishes == ({FinishReason.ABORT} if mode is PauseMode.ABORT else {FinishReason.LENGTH}), finishes
     # Requests from now on sample from the new adapter, as the new version.
     after = await engine.generate(prompt, SamplingConfig(n=2, max_tokens=24, seed=4), f"after-{mode.value}")
-    assert all(s.version_spans[0].version == timing.version for s in after)
+    assert all(s.version_spans[0].version == before + 1 for s in after)
     assert gap(sample_gaps(new, prompt, after)) < tol
     ids = prompt + after[0].token_ids
     scored = (await engine.score(ids))[engine.name]
