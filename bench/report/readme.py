@@ -216,6 +216,13 @@ def preference_block(results_dir: Path) -> str:
     text = (f"Held-out accuracy gain in points over seeds {', '.join(map(str, seeds))}, at equal trained samples on "
             f"the demo's task: {'; '.join(parts)} ({source}). Online DPO's goal of +{r['target_gain'] * 100:.0f} in "
             f"every seed is {'met' if r['dpo_meets_target'] else '**not met**'}.")
+    if (y := _load(results_dir, "preference_cpu_steps600")) is not None:
+        w, source = y
+        v = w["by_trainer"].get("dpo_async")
+        if v is not None:
+            text += (f" With three times the samples (600 steps), Online DPO async gains "
+                     f"**{v['gain_mean'] * 100:+.1f}** (sd {v['gain_std'] * 100:.1f}, "
+                     f"min {v['gain_min'] * 100:+.1f}) ({source}).")
     if (y := _load(results_dir, "preference_cpu_pair_is")) is not None:
         w, source = y
         v = w["by_trainer"].get("dpo_async")
