@@ -180,16 +180,19 @@ def test_lr_schedule_ramps_up_then_decays_to_zero_at_the_last_step() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(480)
-def test_online_dpo_example_runs_xpo_with_a_second_engine_for_the_reference(runs, tmp_path: Path) -> None:
-    """``asyncrl.examples.online_dpo`` end to end on run A's model: XPO, so two engines (the policy's and the
-    frozen reference's) and a judge derived from the digits reward (exact matches would all tie on this model)."""
+def test_online_dpo_example_runs_xpo_on_a_lora_engine_and_its_base(runs, tmp_path: Path) -> None:
+    """``asyncrl.examples.online_dpo`` end to end on run A's model: XPO with LoRA, so the frozen reference is the
+    engine's base (requests without the adapter, no second engine), and a judge derived from the digits reward
+    (exact matches would all tie on this model). The second-engine path is tests/preference's."""
     out = tmp_path / "xpo"
     proc = subprocess.run([sys.executable, "-m", "asyncrl.examples.online_dpo", "--out", str(out), *TINY,
                            "--model", str(runs["a"][0] / "model"), "--trainer", "xpo", "--reward", "digits",
-                           "--steps", "2"], cwd=ROOT, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                           "--steps", "2", "--lora", "--lora-rank", "8"],
+                          cwd=ROOT, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"example failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "XPO: 2 steps" in proc.stdout and "held-out accuracy: before" in proc.stdout
     rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2 and "loss/xpo_exploration" in rows[-1] and rows[-1]["judge/opponent_samples"] > 0
     assert (out / "online_dpo.png").is_file() and (out / "model" / "config.json").is_file()
+    assert (out / "adapter").is_dir(), "a LoRA run exports its adapter beside the merged model"
