@@ -23,8 +23,7 @@ from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
 from asyncrl.engines.death import Death, watch_sentinels
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
-from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
-from asyncrl.engines.env import scoped_env
+from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
 from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport
@@ -44,8 +43,10 @@ from asyncrl.engines.vllm_local.llm_internals import (
     sampled_logprobs,
     scoring_params,
     validation_error,
+    vllm_sampling_params,
 )
 from asyncrl.engines.vllm_local.sleep import SleepControl, SleepCounters, SleepTransport
+from asyncrl.engines.vllm_local.startup import close_when_started, start_llm
 from asyncrl.engines.weights import manifest_dtype, read_manifest
 from asyncrl.errors import ConfigError, EngineError, PromptRejected
 from asyncrl.types import PauseMode, Sample
@@ -110,11 +111,12 @@ class VLLMEngine(Engine):
         args, env = engine_args(cfg), engine_env(cfg)
         set_vllm_log_level(cfg)  # after engine_args: importing vLLM sets the level from the environment
         rpc_dir = make_rpc_dir()
-        starting = asyncio.ensure_future(asyncio.to_thread(_start_llm, args, env, rpc_dir))
+        starting = asyncio.ensure_future(asyncio.to_thread(start_llm, args, env, rpc_dir))
         try:
             llm = await asyncio.shield(starting)
         except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
-            await settle(_close_when_started(starting, cfg, name, rpc_dir), "closing a cancelled engine start")
+            await settle(close_when_started(starting, rpc_dir, lambda llm: cls(llm, cfg, name, rpc_dir)._abandon()),
+                         "closing a cancelled engine start")
             raise
         except BaseException:
             remove_rpc_dir(rpc_dir)  # vLLM has shut down what it had started
@@ -124,7 +126,7 @@ class VLLMEngine(Engine):
             engine._watch()
             await engine._rpc("asyncrl_record_ties")
             await engine._rpc("asyncrl_die_with", os.getpid())
-            engine._store_files = [Path(f) for f in await engine._rpc("asyncrl_store_file") if f]
+            await engine._find_store_files()
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:
@@ -157,17 +159,8 @@ class VLLMEngine(Engine):
 
     def sampling_params(self, params: SamplingConfig, request_id: str, max_tokens: int) -> Any:
         """The vLLM ``SamplingParams`` of one sample (public so benchmarks can send exactly the same)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        extra: dict[str, Any] = {"flat_logprobs": True} if self._flat else {}
-        if params.stop_token_ids:
-            extra["stop_token_ids"] = list(params.stop_token_ids)
-        return SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-            seed=request_seed(params.seed, request_id), logprobs=0, ignore_eos=params.ignore_eos,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY if self._stamps else RequestOutputKind.DELTA,
-            **extra)
+        return vllm_sampling_params(params, request_seed(params.seed, request_id), max_tokens, flat=self._flat,
+                                    final_only=self._stamps)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None, *, base: bool = False) -> list[Sample]:
@@ -373,6 +366,17 @@ class VLLMEngine(Engine):
         self._stop_watching = watch_sentinels(engine_core_sentinels(self._llm), f"asyncrl-{self.name}-death",
                                               lambda: self._closed or self._died("engine core process died"))
 
+    async def _find_store_files(self) -> None:
+        self._store_files = [Path(f) for f in await self._rpc("asyncrl_store_file") if f]
+
+    async def _abandon(self) -> None:
+        """Close an engine whose start was cancelled (it may not answer: its processes go all the same)."""
+        try:
+            await self._find_store_files()
+        except Exception:
+            log.debug("engine %s: no rendezvous file to remove", self.name, exc_info=True)
+        await self.close()
+
     async def close(self) -> None:
         """Shut vLLM down (its processes gone when this returns) and remove staged weights. Idempotent; runs
         to its end even if the caller is cancelled."""
@@ -393,26 +397,3 @@ class VLLMEngine(Engine):
             for path in self._store_files:  # the processes that used them are gone
                 path.unlink(missing_ok=True)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
-
-
-def _start_llm(args: Any, env: dict[str, str], rpc_dir: Path) -> Any:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    # The sockets bound here and by the processes it spawns go to rpc_dir; env holds for the start-up only.
-    with rpc_dir_in_env(rpc_dir), scoped_env(env):
-        return AsyncLLM.from_engine_args(args)
-
-
-async def _close_when_started(starting: asyncio.Future[Any], cfg: VLLMEngineConfig, name: str,
-                              rpc_dir: Path) -> None:
-    try:
-        llm = await starting
-    except Exception:
-        remove_rpc_dir(rpc_dir)
-        return  # it failed to start: nothing runs
-    engine = VLLMEngine(llm, cfg, name, rpc_dir)
-    try:
-        engine._store_files = [Path(f) for f in await engine._rpc("asyncrl_store_file") if f]
-    except Exception:  # a half-started engine may not answer: its processes still go
-        log.debug("engine %s: no rendezvous file to remove", name, exc_info=True)
-    await engine.close()

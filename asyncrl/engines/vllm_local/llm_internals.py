@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.config import SamplingConfig
 from asyncrl.errors import EngineError
 
 ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
@@ -180,3 +181,20 @@ def fail_requests(llm: Any, error: Exception) -> None:
     processor = getattr(llm, "output_processor", None)
     if processor is not None:
         processor.propagate_error(error)
+
+
+def vllm_sampling_params(params: SamplingConfig, seed: int | None, max_tokens: int, *, flat: bool,
+                         final_only: bool) -> Any:
+    """One sample's ``SamplingParams``: log-probs of the sampled tokens (``flat``: vLLM 0.32's flat lists), no
+    detokenising (the engine decodes each finished sample once), and outputs streamed as deltas unless the
+    engine stamps versions itself (``final_only``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    extra: dict[str, Any] = {"flat_logprobs": True} if flat else {}
+    if params.stop_token_ids:
+        extra["stop_token_ids"] = list(params.stop_token_ids)
+    return SamplingParams(
+        n=1, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p, seed=seed, logprobs=0,
+        ignore_eos=params.ignore_eos, detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA, **extra)
