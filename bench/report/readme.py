@@ -233,7 +233,7 @@ def preference_block(results_dir: Path) -> str:
 
 
 # Which document holds which blocks.
-FIGURED = {README: ("demo", "preference"), RESULTS: ("tool_use", "headline", "staleness", "lora")}
+FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora")}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
