@@ -359,3 +359,19 @@ def warm_up_learner(backend: Any, groups: list[Any]) -> None:
     of the size thresholds inductor guards on."""
     for part in (groups, groups[:1]):
         backend.train_step(part, 0)
+
+
+def run_example(name: str, module: str, out: Path, flags: Sequence[str]) -> dict[str, Any]:
+    """``python -m module --out out --no-progress *flags`` with its output in ``out.log``; its ``summary.json``.
+    Raises ``RuntimeError`` naming the log if it fails."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", module, "--out", str(out), "--no-progress", *flags]
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    log = out.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"run {name} exited with {code}; see {log}")
+    return json.loads((out / "summary.json").read_text())

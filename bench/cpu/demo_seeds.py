@@ -18,10 +18,7 @@ points in every run, into ``bench/results/demo_lora_<device>.json``.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -52,17 +49,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 def run_one(name: str, flags: list[str], args: Any) -> dict[str, Any]:
     out = args.runs_dir / name
-    cmd = [sys.executable, "-m", "asyncrl.examples.grpo_offpolicy", "--out", str(out), "--no-progress", *flags,
-           *args.extra]
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    log = out.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        code = subprocess.run(cmd, cwd=common.ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        raise RuntimeError(f"run {name} exited with {code}; see {log}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = common.run_example(name, "asyncrl.examples.grpo_offpolicy", out, [*flags, *args.extra])
     stats, warm = summary["stats"], summary["warm_start"]
     row = {"flags": flags, "before": summary["before"], "after": summary["after"],
            "gain": summary["after"] - summary["before"], "samples_per_s": stats["samples_per_s"],

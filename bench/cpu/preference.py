@@ -24,8 +24,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,16 +55,8 @@ def run_one(name: str, trainer: str, mode: str, seed: int, base: Path | None, ar
     flags = ["--seed", str(seed), "--steps", str(args.steps), *(["--synchronous"] if mode == "sync" else []),
              *(["--trainer", trainer] if trainer != "grpo" else []), *(["--model", str(base)] if base else []),
              *(["--pair-is"] if args.pair_is and trainer != "grpo" else [])]
-    cmd = [sys.executable, "-m", module, "--out", str(out), "--no-progress", "--tensorboard", "off", *flags]
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    log = out.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        code = subprocess.run(cmd, cwd=common.ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        raise RuntimeError(f"run {name} exited with {code}; see {log}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = common.run_example(name, module, out, ["--tensorboard", "off", *flags])
     stats = summary["stats"]
     last = _last_metrics(out / "metrics.jsonl")
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

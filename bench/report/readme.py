@@ -216,19 +216,12 @@ def preference_block(results_dir: Path) -> str:
     text = (f"Held-out accuracy gain in points over seeds {', '.join(map(str, seeds))}, at equal trained samples on "
             f"the demo's task: {'; '.join(parts)} ({source}). Online DPO's goal of +{r['target_gain'] * 100:.0f} in "
             f"every seed is {'met' if r['dpo_meets_target'] else '**not met**'}.")
-    if (y := _load(results_dir, "preference_cpu_steps600")) is not None:
-        w, source = y
-        v = w["by_trainer"].get("dpo_async")
-        if v is not None:
-            text += (f" With three times the samples (600 steps), Online DPO async gains "
-                     f"**{v['gain_mean'] * 100:+.1f}** (sd {v['gain_std'] * 100:.1f}, "
-                     f"min {v['gain_min'] * 100:+.1f}) ({source}).")
-    if (y := _load(results_dir, "preference_cpu_pair_is")) is not None:
-        w, source = y
-        v = w["by_trainer"].get("dpo_async")
-        if v is not None:
-            text += (f" Online DPO async with stale pairs importance-weighted: **{v['gain_mean'] * 100:+.1f}** (sd "
-                     f"{v['gain_std'] * 100:.1f}, min {v['gain_min'] * 100:+.1f}) ({source}).")
+    variants = {"preference_cpu_steps600": "With three times the samples (600 steps), Online DPO async gains",
+                "preference_cpu_pair_is": "Online DPO async with stale pairs importance-weighted:"}
+    for name, said in variants.items():
+        if (y := _load(results_dir, name)) is not None and (v := y[0]["by_trainer"].get("dpo_async")):
+            text += (f" {said} **{v['gain_mean'] * 100:+.1f}** (sd {v['gain_std'] * 100:.1f}, "
+                     f"min {v['gain_min'] * 100:+.1f}) ({y[1]}).")
     return text
 
 
