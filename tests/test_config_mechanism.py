@@ -23,6 +23,7 @@ import asyncrl.engines.vllm_remote.config
 import asyncrl.engines.vllm_remote.nccl
 import asyncrl.launch.layout
 import asyncrl.lora.config
+import asyncrl.preference.losses
 import asyncrl.queues.ingest_server
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.config import (
@@ -44,6 +45,7 @@ BAD: dict[str, tuple[dict[str, object], str]] = {
     "LossConfig": ({"length_norm": "mean"}, "length_norm"),
     "LoraConfig": ({"rank": 0}, "rank"),
     "LoraServingConfig": ({"max_rank": 4}, "max_rank"),
+    "PreferenceConfig": ({"loss_type": "hinge"}, "loss_type"),
     "VLLMEngineConfig": ({"model": "m", "weight_transfer": "pigeon"}, "weight_transfer"),
     "RemoteEngineConfig": ({"base_url": "http://h:1", "model": "m", "model_dir": "d", "health_failures": 0},
                            "health_failures"),
@@ -64,7 +66,7 @@ REQUIRED: dict[str, dict[str, object]] = {  # the fields without defaults, for b
 MODULES = (asyncrl.algorithms.losses, asyncrl.checkpoint.store, asyncrl.distributed.ranks, asyncrl.engines.pool,
            asyncrl.engines.vllm_local.config, asyncrl.engines.vllm_remote.config, asyncrl.engines.vllm_remote.nccl,
            asyncrl.engines.transports.adapters, asyncrl.launch.layout, asyncrl.lora.config,
-           asyncrl.queues.ingest_server)  # imported so every class is registered
+           asyncrl.preference.losses, asyncrl.queues.ingest_server)  # imported so every class is registered
 
 
 def _classes() -> dict[str, type]:
