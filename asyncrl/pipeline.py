@@ -76,6 +76,9 @@ class Pipeline:
         judges = list({id(p.judge): p.judge for p in producers if p.judge is not None}.values())
         for judge in judges:  # comparisons, ties, win rate against the opponent, per learner step
             learner.hooks.append(lambda step, metrics, judge=judge: metrics.update(judge.metrics()))
+        agents = list({id(p.agents): p.agents for p in producers if p.agents is not None}.values())
+        for runner in agents:  # episodes, trajectories, splits and the endpoint's calls, per learner step
+            learner.hooks.append(lambda step, metrics, runner=runner: metrics.update(runner.metrics()))
         self.config = config or PipelineConfig()
         if self.config.progress:  # printed after every hook, those added later too: it sees what they add
             learner.progress = ProgressLine()

@@ -27,6 +27,7 @@ from asyncrl.versions import VersionClock
 
 if TYPE_CHECKING:
     from asyncrl.preference.scoring import JudgeScorer
+    from asyncrl.agents.runner import AgentRunner
 
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
@@ -35,7 +36,8 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
                   ref_model: Reference | None = None, optimizer: torch.optim.Optimizer | None = None,
                   monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
                   env: EnvFactory | None = None, backend: TrainingBackend | None = None,
-                  target: WeightTarget | None = None, judge: JudgeScorer | None = None) -> Pipeline:
+                  target: WeightTarget | None = None, judge: JudgeScorer | None = None,
+                  agents: AgentRunner | None = None) -> Pipeline:
     """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on groups sampled from ``engine``.
 
     The version clock starts at the engine's version. ``step`` continues a run restored from a checkpoint;
@@ -46,7 +48,9 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     With ``backend`` (e.g. ``asyncrl.distributed.FSDPBackend``) the learner trains through it, and ``model``,
     the loss arguments and ``optimizer`` must be left out: the backend owns them. ``target`` is what
     publications go to (default: ``engine``). With ``judge`` (and ``reward_fn=None``) producers score groups with a
-    pairwise judge (``asyncrl.preference.preference_pipeline`` builds that with its loss).
+    pairwise judge (``asyncrl.preference.preference_pipeline`` builds that with its loss). With ``agents`` (an
+    ``asyncrl.agents.AgentRunner``, and ``reward_fn=None``) every group is ``n`` black-box agent episodes through
+    its OpenAI-compatible endpoint, rewarded by the runner.
     """
     config = config or PipelineConfig()
     if backend is not None:
@@ -64,7 +68,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     sender, receiver = create_rollout_queue(config.queue, clock, gate=gate)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
         producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer, name=f"producer-{i}",
-                              env=env, admission=gate or OPEN, judge=judge)
+                              env=env, admission=gate or OPEN, judge=judge, agents=agents)
                      for i in range(config.num_producers)]
     sync = WeightSync(target or engine, clock, config.learner.sync)
     if backend is not None:

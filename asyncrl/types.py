@@ -56,6 +56,9 @@ class DropReason(str, enum.Enum):
     JUDGE_INVALID = "judge_invalid"  # a pairwise judge returned something that is not a probability
     JUDGE_TIMEOUT = "judge_timeout"  # a group's comparisons took longer than ``reward_timeout_s``
     PREFERENCE_TIE = "preference_tie"  # every comparison of the group tied: no pair to learn from
+    AGENT_ERROR = "agent_error"  # an agent behind the OpenAI endpoint raised, or its episodes share no prompt
+    AGENT_TIMEOUT = "agent_timeout"  # a group's agents took longer than ``AgentConfig.timeout_s``
+    AGENT_IDLE = "agent_idle"  # an agent ended without a completion call: nothing to train
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
 

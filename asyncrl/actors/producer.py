@@ -18,6 +18,9 @@ Preferences: a producer given ``judge`` (an ``asyncrl.preference.JudgeScorer``) 
 judge instead of ``reward_fn``: each rollout's reward is its preference score, and the opponents' completions (if
 any) travel in ``RolloutGroup.opponents``.
 
+Agents: a producer given ``agents`` (an ``asyncrl.agents.AgentRunner``) hands each prompt, as a task, to ``n``
+black-box agents talking to the OpenAI-compatible endpoint; the runner builds the group from their sessions.
+
 Admission: before starting a group the producer waits on its ``admission`` (the pipeline's ``AdmissionGate``,
 shared by every producer: a group starts only if it can be trained within ``max_staleness``); a group that
 never reaches the sink withdraws its ticket. The default, ``OPEN``, starts groups at once.
@@ -42,6 +45,7 @@ from asyncrl.queues.admission import OPEN, Admission
 from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
 
 if TYPE_CHECKING:
+    from asyncrl.agents.runner import AgentRunner
     from asyncrl.preference.scoring import JudgeScorer
 
 log = logging.getLogger(__name__)
@@ -84,11 +88,15 @@ class Producer:
 
     def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
                  config: ProducerConfig | None = None, name: str = "producer", *,
-                 env: EnvFactory | None = None, admission: Admission = OPEN, judge: JudgeScorer | None = None) -> None:
+                 env: EnvFactory | None = None, admission: Admission = OPEN, judge: JudgeScorer | None = None,
+                 agents: AgentRunner | None = None) -> None:
         if judge is not None and (reward_fn is not None or env is not None):
             raise ValueError("a producer scores with a judge or with rewards (reward_fn, env), not both")
-        if reward_fn is None and env is None and judge is None:
-            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, both, or a judge")
+        if agents is not None and (reward_fn is not None or env is not None or judge is not None):
+            raise ValueError("a producer given agents leaves rewards to its AgentRunner: no reward_fn, env or judge")
+        if reward_fn is None and env is None and judge is None and agents is None:
+            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, both, a judge, or "
+                             "agents")
         self.sampler = sampler
         self.prompts = prompts
         self.sink = sink
@@ -96,6 +104,7 @@ class Producer:
         self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
         self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
         self.judge = judge
+        self.agents = agents
         self.name = name
         self.admission = admission  # asked before each group starts (run() only; produce_one is ungated)
         self.counters = ProducerCounters()
@@ -170,6 +179,8 @@ class Producer:
         return None
 
     async def _build_group(self, group_id: str, prompt: Prompt) -> RolloutGroup:
+        if self.agents is not None:  # its prompt is a task for the agents: they write what the engine sees
+            return await self.agents.build_group(group_id, prompt, self.config.sampling.n)
         self._check_prompt(prompt)
         if self.episodes is not None:
             return await self._build_episodes(group_id, prompt)
@@ -239,4 +250,6 @@ class Producer:
             out.update(self.judge.metrics())
         if self.episodes is not None:
             out.update(episode_metrics([self.episodes.counters]))
+        if self.agents is not None:
+            out.update(self.agents.metrics())
         return out

@@ -7,6 +7,10 @@ concurrently. Each member's load is all-or-nothing on its own, and a failure nam
 A member that stops answering (``check_alive`` fails, or a generate fails and the member then fails
 ``check_alive``) is reported with an ``EngineError`` naming it, or, with ``drop_dead=True``, taken out of
 rotation for good with a warning and counted in ``metrics()``.
+
+Sessions (``for_session``: an agent episode's calls through ``asyncrl.agents.AgentEndpoint``) are sticky: each is
+pinned to the member its first call went to, so the context its calls share stays in that member's prefix cache.
+A session whose member leaves rotation moves to another, and the move is counted.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pydantic import Field
 from asyncrl.aio import settle
 from asyncrl.config import SamplingConfig
 from asyncrl.config_base import Flag, config
-from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import Engine, EngineError, Sampler, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ class EnginePool(Engine):
         self.config = config or PoolConfig()
         self._drop_dead = self.config.drop_dead
         self._turn = 0  # round-robin offset among equally loaded members
+        self._sessions: dict[str, _Member] = {}  # the member each open session is pinned to
+        self.session_moves = 0  # sessions moved off a member that left rotation
         # Each member's own prepared form of an update, by version (released in ``release``).
         self._prepared: dict[int, list[tuple[_Member, WeightUpdate]]] = {}
 
@@ -88,15 +94,17 @@ class EnginePool(Engine):
     def metrics(self) -> dict[str, float]:
         return {"engine/alive": sum(m.alive for m in self._members),
                 "engine/dead": sum(not m.alive for m in self._members),
-                "engine/inflight_samples": sum(m.load for m in self._members)}
+                "engine/inflight_samples": sum(m.load for m in self._members),
+                "engine/sessions": len(self._sessions), "engine/session_moves": self.session_moves}
 
     # -- generation ------------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
-                       n: int | None = None) -> list[Sample]:
+                       n: int | None = None, *, session: str | None = None) -> list[Sample]:
+        """Least-loaded member; with ``session`` (through ``for_session``) the member that session is pinned to."""
         count = params.n if n is None else n
         while True:
-            member = self._pick()
+            member = self._pick() if session is None else self._pinned(session)
             member.load += count
             try:
                 return await member.engine.generate(prompt_ids, params, request_id, n)
@@ -106,6 +114,24 @@ class EnginePool(Engine):
                 # The member is out of rotation: its samples are lost; sample them again on another member.
             finally:
                 member.load -= count
+
+    def for_session(self, key: str) -> Sampler:
+        """Calls of session ``key`` go to one member while it lives (its prefix cache holds their shared
+        context); when it dies (``drop_dead``) the session moves to another, counted as ``session_moves``."""
+        return _SessionSampler(self, key)
+
+    def end_session(self, key: str) -> None:
+        self._sessions.pop(key, None)
+
+    def _pinned(self, key: str) -> _Member:
+        member = self._sessions.get(key)
+        if member is not None and member.alive:
+            return member
+        if member is not None:
+            self.session_moves += 1
+            log.info("session %s moves off %s, which left rotation", key, member.engine.name)
+        self._sessions[key] = member = self._pick()
+        return member
 
     def _pick(self) -> _Member:
         live = [m for m in self._members if m.alive]
@@ -294,3 +320,19 @@ def _names(failures: list[tuple[_Member, BaseException]]) -> list[str]:
 
 def _reasons(failures: list[tuple[_Member, BaseException]]) -> str:
     return "; ".join(f"{m.engine.name}: {exc}" for m, exc in failures)
+
+
+class _SessionSampler(Sampler):
+    """A pool's sampler for one session: the pool's, with every call routed to the session's member."""
+
+    def __init__(self, pool: EnginePool, key: str) -> None:
+        self.pool, self.key, self.name = pool, key, f"{pool.name}[{key}]"
+
+    version = property(lambda self: self.pool.version)
+    max_model_len = property(lambda self: self.pool.max_model_len)
+    vocab_size = property(lambda self: self.pool.vocab_size)
+    serving_dtype = property(lambda self: self.pool.serving_dtype)
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        return await self.pool.generate(prompt_ids, params, request_id, n, session=self.key)

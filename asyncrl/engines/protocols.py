@@ -80,6 +80,15 @@ class Sampler(Protocol):
         """
         ...
 
+    def for_session(self, key: str) -> Sampler:
+        """The sampler that serves session ``key``'s calls (an agent episode's, through
+        ``asyncrl.agents.AgentEndpoint``), so that they can share an engine's prefix cache. Default: this one
+        (a single engine); ``EnginePool`` pins each session to one member."""
+        return self
+
+    def end_session(self, key: str) -> None:
+        """Session ``key`` makes no more calls: forget where it was pinned. Default: nothing to forget."""
+
 
 @runtime_checkable
 class WeightTarget(Protocol):

@@ -58,3 +58,35 @@ class CalculatorProtocol:
         tools = ToolBox([calc], timeout_s=timeout_s)
         return lambda prompt: ToolEnv(tools, self.parse, self.render,
                                       score=lambda turn: reward(turn.text, prompt.answer))
+
+
+# -- the same protocol as a chat: what the OpenAI-endpoint example (openai_agent.py) serves ---------------------
+
+# Renders a conversation exactly as the episodes above are laid out: the user's problem, a call as
+# <calc>expression</calc>, its result as <res>value</res>, a final answer ended by the end-of-sequence token.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "<calc>{{ c.function.arguments.expression }}</calc>{%- endfor -%}"
+    "{%- else -%}{{ m.content }}{{ eos_token }}{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}<res>{{ m.content }}</res>"
+    "{%- else -%}{{ m.content }}{%- endif -%}"
+    "{%- endfor -%}")
+
+
+class CalcToolParser:
+    """A turn ending in ``<calc>expression</calc>`` is a call of ``calc`` with ``{"expression": ...}``; the
+    ``</calc>`` token ends such a turn (a ``ToolCallParser`` of ``asyncrl.agents``)."""
+
+    stop_tokens = (END_CALL,)
+
+    def parse(self, text: str) -> Any:
+        import json
+
+        from asyncrl.agents import ParsedTurn, ToolCall
+
+        match = _CALL.search(text)
+        if match is None:
+            return ParsedTurn(text)
+        return ParsedTurn(text[:match.start()], (ToolCall("calc", json.dumps({"expression": match[1]})),))

@@ -66,7 +66,8 @@ async def test_pool_balances_load_round_robin() -> None:
     params = SamplingConfig(n=2, max_tokens=5)
     await asyncio.gather(*(pool.generate((1, 2), params, f"r{i}") for i in range(6)))
     assert [e.requests for e in engines] == [2, 2, 2]
-    assert pool.metrics() == {"engine/alive": 3, "engine/dead": 0, "engine/inflight_samples": 0}
+    assert pool.metrics() == {"engine/alive": 3, "engine/dead": 0, "engine/inflight_samples": 0,
+                              "engine/sessions": 0, "engine/session_moves": 0}
 
 
 @aio
