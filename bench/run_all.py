@@ -3,7 +3,8 @@
     python -m bench.run_all [--quick] [--only NAME ...] [--skip NAME ...] [--out DIR]
 
 Order: queue_micro (no vLLM), engine_limit, weight_sync, async_vs_sync, contention, vs_trl, learning,
-tool_use, scaling_sim (needs Ray: ``pip install -e '.[ray]'``), demo_seeds (the longest, ~45 min). Each runs as
+tool_use, openai_agent, scaling_sim (needs Ray: ``pip install -e '.[ray]'``), demo_seeds (the longest, ~45 min).
+Each runs as
 ``python -m bench.<kind>.<name>`` from the repository root (kind ``cpu``; ``peers`` for vs_trl). ``--quick`` is
 passed to each (as a smaller run for the ones without that flag); vs_trl also gets ``--setup-trl`` (it builds TRL's
 venv in ``.cache/trl-venv`` when missing).
@@ -22,10 +23,12 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 ORDER = ("queue_micro", "engine_limit", "weight_sync", "async_vs_sync", "contention", "vs_trl", "learning",
-         "tool_use", "scaling_sim", "demo_seeds")
+         "tool_use", "openai_agent", "scaling_sim", "demo_seeds")
 KIND = {"vs_trl": "peers"}  # the package each runs from: bench.cpu unless named here
 EXTRA = {"vs_trl": ["--setup-trl"]}  # on a fresh machine, vs_trl creates TRL's own venv first
-QUICK = {"tool_use": ["--seeds", "0", "--steps", "30"], "demo_seeds": ["--only", "seed0"]}  # no --quick flag
+QUICK = {"tool_use": ["--seeds", "0", "--steps", "30"],
+         "openai_agent": ["--seeds", "0", "--steps", "20", "--rounds", "1"],
+         "demo_seeds": ["--only", "seed0"]}  # no --quick flag
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import asyncrl.agents.endpoint
+import asyncrl.agents.runner
 import asyncrl.algorithms.losses
 import asyncrl.checkpoint.store
 import asyncrl.distributed.ranks
@@ -46,6 +48,8 @@ BAD: dict[str, tuple[dict[str, object], str]] = {
     "LoraConfig": ({"rank": 0}, "rank"),
     "LoraServingConfig": ({"max_rank": 4}, "max_rank"),
     "PreferenceConfig": ({"loss_type": "hinge"}, "loss_type"),
+    "EndpointConfig": ({"token": "t", "port": 70000}, "port"),
+    "AgentConfig": ({"timeout_s": 0}, "timeout_s"),
     "VLLMEngineConfig": ({"model": "m", "weight_transfer": "pigeon"}, "weight_transfer"),
     "RemoteEngineConfig": ({"base_url": "http://h:1", "model": "m", "model_dir": "d", "health_failures": 0},
                            "health_failures"),
@@ -62,8 +66,10 @@ REQUIRED: dict[str, dict[str, object]] = {  # the fields without defaults, for b
     "NcclTransportConfig": {"master_port": 1},
     "CheckpointConfig": {"dir": "d"},
     "IngestServerConfig": {"token": "t"},
+    "EndpointConfig": {"token": "t"},
 }
-MODULES = (asyncrl.algorithms.losses, asyncrl.checkpoint.store, asyncrl.distributed.ranks, asyncrl.engines.pool,
+MODULES = (asyncrl.agents.endpoint, asyncrl.agents.runner,
+           asyncrl.algorithms.losses, asyncrl.checkpoint.store, asyncrl.distributed.ranks, asyncrl.engines.pool,
            asyncrl.engines.vllm_local.config, asyncrl.engines.vllm_remote.config, asyncrl.engines.vllm_remote.nccl,
            asyncrl.engines.transports.adapters, asyncrl.launch.layout, asyncrl.lora.config,
            asyncrl.preference.losses, asyncrl.queues.ingest_server)  # imported so every class is registered

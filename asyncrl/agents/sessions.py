@@ -144,7 +144,8 @@ class Session:
 
 def _copy(builder: TrajectoryBuilder) -> TrajectoryBuilder:
     out = TrajectoryBuilder()
-    out.token_ids, out.logprobs, out.loss_mask = list(builder.token_ids), list(builder.logprobs), list(builder.loss_mask)
+    out.token_ids, out.logprobs = list(builder.token_ids), list(builder.logprobs)
+    out.loss_mask = list(builder.loss_mask)
     out.spans, out.texts, out.first_version = list(builder.spans), list(builder.texts), builder.first_version
     return out
 

@@ -80,25 +80,34 @@ def common_fields(body: Mapping[str, Any], max_n: int) -> Request:
     seed = body.get("seed")
     if seed is not None and type(seed) is not int:
         raise bad("seed", f"must be an integer, got {seed!r}")
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", "must be a non-empty string or a list of at most 4 of them")
-    logprobs = body.get("logprobs", False)
-    if isinstance(logprobs, int) and not isinstance(logprobs, bool):  # /v1/completions: a count of alternatives
-        if logprobs > 0:
-            raise bad("logprobs", "only the sampled tokens' log-probs are served: use 0 (or true on chat)")
-        logprobs = True
-    if not isinstance(logprobs, bool):
-        raise bad("logprobs", f"must be a boolean, got {logprobs!r}")
+    stop, logprobs = _stop(body), _logprobs(body)
     if body.get("top_logprobs"):
         raise bad("top_logprobs", "only the sampled tokens' log-probs are served: leave it 0")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", f"must be a boolean, got {stream!r}")
     options = body.get("stream_options") or {}
-    return Request(model, n, max_tokens, temperature, 1.0 if top_p is None else top_p, seed, tuple(stop),
+    return Request(model, n, max_tokens, temperature, 1.0 if top_p is None else top_p, seed, stop,
                    logprobs, stream, bool(isinstance(options, dict) and options.get("include_usage")))
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", "must be a non-empty string or a list of at most 4 of them")
+    return tuple(stop)
+
+
+def _logprobs(body: Mapping[str, Any]) -> bool:
+    logprobs = body.get("logprobs", False)
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool):  # /v1/completions: a count of alternatives
+        if logprobs > 0:
+            raise bad("logprobs", "only the sampled tokens' log-probs are served: use 0 (or true on chat)")
+        return True
+    if not isinstance(logprobs, bool):
+        raise bad("logprobs", f"must be a boolean, got {logprobs!r}")
+    return logprobs
 
 
 def _int(body: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:

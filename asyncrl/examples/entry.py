@@ -3,6 +3,7 @@
 
     asyncrl-grpo              asyncrl.examples.grpo_offpolicy
     asyncrl-tool-use          asyncrl.examples.tool_use
+    asyncrl-openai-agent      asyncrl.examples.openai_agent
     asyncrl-distributed-grpo  asyncrl.examples.distributed_grpo (under torchrun)
     asyncrl-embedded-service  asyncrl.examples.embedded_service (needs ASYNCRL_TOKEN)
     asyncrl-remote-learner    asyncrl.examples.remote_learner (needs ASYNCRL_TOKEN)
@@ -48,6 +49,12 @@ def online_dpo() -> int:
 
 def tool_use() -> int:
     from asyncrl.examples import tool_use as example
+
+    return run_cli(example.cli)
+
+
+def openai_agent() -> int:
+    from asyncrl.examples import openai_agent as example
 
     return run_cli(example.cli)
 

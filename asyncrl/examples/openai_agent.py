@@ -195,7 +195,8 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
         model=str(model_dir), dtype="float32", max_model_len=16 * (args.max_turns + 2), seed=args.seed,
         max_num_seqs=max(64, args.n * args.batch_groups), kv_cache_gib=args.kv_cache_gib))
     try:
-        async with AgentEndpoint(engine, renderer, EndpointConfig(token=token, temperature=args.temperature)) as train, \
+        training = EndpointConfig(token=token, temperature=args.temperature)  # requests sample as the learner scores
+        async with AgentEndpoint(engine, renderer, training) as train, \
                 AgentEndpoint(engine, renderer, EndpointConfig(token=token)) as held_out:
             agent = CalculatorAgent(max_turns=args.max_turns, turn_tokens=args.turn_tokens)
             greedy = CalculatorAgent(temperature=0.0, max_turns=args.max_turns, turn_tokens=args.turn_tokens)
@@ -223,7 +224,8 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
     config = pipeline_config(args)
     runner = AgentRunner(endpoint, agent, reward_fn=lambda p, result: task.reward(result, p.answer),
                          producer=config.producer)
-    prompts = PromptSource(Prompt(f"train-{i}", (), ex.prompt, ex.answer) for i, ex in _endless(task.train, args.seed))
+    prompts = PromptSource(Prompt(f"train-{i}", (), ex.prompt, ex.answer)
+                           for i, ex in _endless(task.train, args.seed))
     policy = AutoModelForCausalLM.from_pretrained(str(endpoint.renderer.tokenizer.name_or_path), dtype=torch.float32)
     pipeline = grpo_pipeline(engine, policy, prompts, None, config, pad_id=tok.pad_token_id, monitor=monitor,
                              close_engine=False, agents=runner)

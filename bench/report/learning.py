@@ -69,6 +69,34 @@ def tool_use(r: dict[str, Any]) -> list[str]:
             f"{pct(s['tool_rate_before']['mean'])} -> {pct(s['tool_rate_after']['mean'])}."]
 
 
+def openai_agent(r: dict[str, Any]) -> list[str]:
+    """The agent example's seeds, then the endpoint against vLLM's own server, then sticky routing."""
+    lines: list[str] = []
+    if "learning" in r:
+        x = r["learning"]
+        rows = [[str(y["seed"]), pct(y["accuracy_before"]), f"**{pct(y['accuracy_after'])}**",
+                 pct(y["tool_rate_before"]), pct(y["tool_rate_after"]), num(y["calls_per_episode"], 2),
+                 str(y["splits"]), num(y["rl_wall_s"], 0)] for y in x["runs"]]
+        g = x["summary"]["gain_points"]
+        lines += table(["seed", "accuracy before", "after", "tool-call rate before", "after", "calls/episode",
+                        "splits", "RL s"], rows)
+        lines += ["", f"Mean gain **{g['mean']:+.1f} points** (sd {g['sd']:.1f}, min {g['min']:+.1f})."]
+    if "latency" in r:
+        x = r["latency"]
+        rows = [[side, num(x[side]["p50_ms"], 0), num(x[side]["p99_ms"], 0), str(x[side]["requests"]),
+                 num(x[side]["completion_tokens_mean"], 1)] for side in ("vllm", "asyncrl")]
+        lines += ["", f"Chat completions at concurrency {x['concurrency']}, {x['max_tokens']} tokens each:", "",
+                  *table(["served by", "p50 ms", "p99 ms", "requests", "tokens/request"], rows), "",
+                  f"asyncrl's endpoint over vLLM's server: p50 x{num(x['ratio_p50'])}, p99 x{num(x['ratio_p99'])}."]
+    if "routing" in r:
+        x = r["routing"]
+        rows = [[side, pct(x[side]["prefix_cache_hit_rate"]), num(x[side]["p50_ms"], 0), num(x[side]["p99_ms"], 0),
+                 str(x[side]["calls"])] for side in ("sticky", "roaming")]
+        lines += ["", f"{x['sessions']} sessions of {x['turns']} calls per round over two servers:", "",
+                  *table(["routing", "prefix-cache hit rate", "p50 ms", "p99 ms", "calls"], rows)]
+    return lines
+
+
 TRAINER_NAMES = {"grpo": "GRPO", "dpo": "Online DPO", "xpo": "XPO", "nash_md": "Nash-MD"}
 
 
@@ -91,6 +119,9 @@ def preference(r: dict[str, Any]) -> list[str]:
 
 
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "openai_agent": ("Agents through the OpenAI-compatible endpoint", "bench/cpu/openai_agent.py: the openai_agent "
+                     "example over seeds (held-out accuracy before and after GRPO); the endpoint against vLLM's own "
+                     "OpenAI server; sticky against roaming sessions over two servers.", openai_agent),
     "preference": ("Preference trainers against GRPO", "bench/cpu/preference.py: Online DPO, XPO and Nash-MD "
                    "(judge from the exact answer) and GRPO on the demo's task, same warm-started model per seed, "
                    "equal trained samples, synchronous and async (staleness 2).", preference),

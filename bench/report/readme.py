@@ -225,14 +225,43 @@ def preference_block(results_dir: Path) -> str:
     return text
 
 
+def agent_block(results_dir: Path) -> str:
+    """The openai_agent example's gain over seeds, the endpoint's cost, and what stickiness buys."""
+    x = _load(results_dir, "openai_agent_cpu")
+    if x is None:
+        return "(no agent results yet: `python -m bench.cpu.openai_agent`)"
+    r, source = x
+    parts = []
+    if "learning" in r:
+        s = r["learning"]["summary"]
+        parts.append(f"The calculator agent, written against the openai client alone, learns through the endpoint: "
+                     f"held-out accuracy **{pct(s['accuracy_before']['mean'])} -> {pct(s['accuracy_after']['mean'])}"
+                     f"** (gain {s['gain_points']['mean']:+.1f} points, sd {s['gain_points']['sd']:.1f}, minimum "
+                     f"{s['gain_points']['min']:+.1f}), tool-call rate {pct(s['tool_rate_before']['mean'])} -> "
+                     f"{pct(s['tool_rate_after']['mean'])}, over {len(r['learning']['runs'])} seeds.")
+    if "latency" in r:
+        v = r["latency"]
+        parts.append(f"In front of a vLLM server, the endpoint answers at p50 {num(v['asyncrl']['p50_ms'], 0)} ms "
+                     f"against the server's own {num(v['vllm']['p50_ms'], 0)} ms (x{num(v['ratio_p50'])}; p99 "
+                     f"x{num(v['ratio_p99'])}) at concurrency {v['concurrency']}.")
+    if "routing" in r:
+        v = r["routing"]
+        parts.append(f"Sticky sessions over two servers hit the prefix cache for "
+                     f"{pct(v['sticky']['prefix_cache_hit_rate'])} of prompt tokens against "
+                     f"{pct(v['roaming']['prefix_cache_hit_rate'])} roaming (p50 {num(v['sticky']['p50_ms'], 0)} "
+                     f"against {num(v['roaming']['p50_ms'], 0)} ms).")
+    return " ".join(parts) + f" ({source})"
+
+
 # Which document holds which blocks.
-FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora")}
+FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora", "agents")}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
     """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
     blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
-              "staleness": staleness_block, "lora": lora_block, "preference": preference_block}
+              "staleness": staleness_block, "lora": lora_block, "preference": preference_block,
+              "agents": agent_block}
     for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)

@@ -15,6 +15,7 @@ SCRIPTS = {  # script -> what its --help must mention
     "asyncrl-grpo": ["--steps"],
     "asyncrl-tool-use": ["--steps"],
     "asyncrl-online-dpo": ["--trainer"],
+    "asyncrl-openai-agent": ["--steps"],
     "asyncrl-distributed-grpo": ["--servers"],
     "asyncrl-embedded-service": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
     "asyncrl-remote-learner": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
