@@ -67,8 +67,8 @@ class EndpointConfig:
     max_body_bytes: Annotated[int, Field(strict=True, ge=1024, description="largest request body")] = 4 * MiB
     max_n: Annotated[int, Field(strict=True, ge=1, description="largest n a request may ask for")] = 16
     temperature: Annotated[float | None, Field(strict=True, gt=0, description=(
-        "the policy's sampling temperature, overriding requests' (training: the learner scores at it); None "
-        "serves each request's own"))] = None
+        "the policy's sampling temperature, overriding requests' temperature and top_p (training: the learner "
+        "scores at it, with top_p 1); None serves each request's own"))] = None
     max_resubmits: Annotated[int, Field(strict=True, ge=0, description=(
         "times a choice cut by an abort pause is sampled again before the call fails with a 503"))] = 3
 
@@ -119,7 +119,9 @@ class AgentEndpoint:
             app.router.add_post(f"{prefix}/v1/completions", self._wrap(self._completions))
             app.router.add_get(f"{prefix}/v1/models", self._wrap(self._models))
         app.router.add_post("/sessions/{session}/reward", self._wrap(self._reward))
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # A client that hangs up cancels its call (its engine requests are aborted, nothing is recorded): an
+        # agent never saw that reply, so it must not become part of its trajectory.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -252,9 +254,13 @@ class AgentEndpoint:
             raise wire.OpenAIError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
                                         f"{self.sampler.max_model_len}", param="messages",
                                    code="context_length_exceeded")
-        temperature = self.config.temperature or (GREEDY if not req.temperature else req.temperature)
+        if self.config.temperature is not None:  # training: sampled exactly as the learner scores
+            temperature, top_p = self.config.temperature, 1.0
+        else:  # OpenAI's defaults; 0 is greedy
+            temperature = 1.0 if req.temperature is None else req.temperature or GREEDY
+            top_p = req.top_p
         params = SamplingConfig(n=req.n, max_tokens=min(req.max_tokens or room, room), temperature=temperature,
-                                top_p=req.top_p, seed=req.seed, stop_token_ids=self.renderer.stop_token_ids)
+                                top_p=top_p, seed=req.seed, stop_token_ids=self.renderer.stop_token_ids)
         sampler = self.sampler.for_session(session.key) if session is not None else self.sampler
         rid = f"agent-{session.key if session else 'none'}-{next(self._ids)}"
         samples = await self._sample(sampler, prompt, params, rid)

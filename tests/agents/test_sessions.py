@@ -17,7 +17,7 @@ from asyncrl.agents.stops import cut_at_stop
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.errors import RolloutDropped
 from asyncrl.types import DropReason, FinishReason, Prompt, Sample, VersionSpan
-from tests.support.agents import TEMPLATE, TOKEN, Echo, echo_agent, endpoint_on, renderer
+from tests.support.agents import TEMPLATE, TOKEN, Echo, client, echo_agent, endpoint_on, renderer
 
 USER = {"role": "user", "content": "12+3="}
 
@@ -234,3 +234,82 @@ async def test_runner_takes_posted_rewards(tokenizer) -> None:
 
     group, _ = await _group(tokenizer, agent)
     assert [r.reward for r in group.rollouts] == [0.5, 0.5]
+
+
+class _Gated(FakeEngine):
+    """A fake engine that says when a request reaches it and when one is cancelled there."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.entered, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, *args: Any, **kw: Any) -> list[Sample]:
+        self.entered.set()
+        try:
+            return await super().generate(*args, **kw)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_client_that_hangs_up_cancels_its_call_and_nothing_is_recorded(tokenizer) -> None:
+    from asyncrl.types import PauseMode
+
+    engine = _Gated(vocab_size=len(tokenizer))
+    await engine.pause(PauseMode.KEEP, clear_cache=False)  # the call waits in the engine until cancelled
+    async with endpoint_on(engine, tokenizer) as ep:
+        url = ep.open_session("s")
+        call = asyncio.create_task(echo_agent(url, "12+3=", turns=1))
+        await asyncio.wait_for(engine.entered.wait(), 30)
+        call.cancel()  # the agent gives up: its HTTP connection closes
+        await asyncio.wait_for(engine.cancelled.wait(), 30)
+        await engine.resume()
+        session = ep.close_session("s")
+    assert session.calls == [] and session.trajectories() == []
+    assert ep.counters.calls == 0
+
+
+class _Recording(FakeEngine):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.params: list[Any] = []
+
+    async def generate(self, prompt_ids: Any, params: Any, *args: Any, **kw: Any) -> list[Sample]:
+        self.params.append(params)
+        return await super().generate(prompt_ids, params, *args, **kw)
+
+
+@pytest.mark.parametrize(("policy", "sent", "want"), [
+    (None, {}, (1.0, 1.0)),  # OpenAI's defaults
+    (None, {"temperature": 0.0, "top_p": 0.5}, (1e-6, 0.5)),  # 0 is greedy
+    (None, {"temperature": 0.7, "top_p": 0.9}, (0.7, 0.9)),
+    (0.8, {"temperature": 0.0, "top_p": 0.5}, (0.8, 1.0)),  # training: the policy's, whatever is asked
+])
+async def test_requests_sample_as_asked_unless_the_policy_temperature_is_set(tokenizer, policy, sent, want) -> None:
+    engine = _Recording(vocab_size=len(tokenizer))
+    async with endpoint_on(engine, tokenizer, temperature=policy) as ep:
+        oai = client(ep.base_url)
+        await oai.chat.completions.create(model="m", messages=[USER], max_tokens=2, **sent)
+        await oai.close()
+    [params] = engine.params
+    assert (params.temperature, params.top_p) == want
+
+
+async def test_each_choice_is_a_branch_and_one_not_continued_is_a_trajectory(tokenizer) -> None:
+    engine = FakeEngine(vocab_size=len(tokenizer))
+    async with endpoint_on(engine, tokenizer) as ep:
+        oai = client(ep.open_session("s"))
+        first = await oai.chat.completions.create(model="m", messages=[USER], max_tokens=3, n=2)
+        kept = first.choices[1].message  # the agent goes on with the second choice
+        history = [USER, kept.model_dump(exclude_none=True), {"role": "user", "content": "1+1="}]
+        await oai.chat.completions.create(model="m", messages=history, max_tokens=3)
+        await oai.close()
+        session = ep.close_session("s")
+    assert (session.counters.calls, session.counters.extensions, session.counters.splits) == (2, 1, 0)
+    trajectories = session.trajectories()
+    assert len(trajectories) == 2  # the first choice, alone; the second, continued
+    (head_a, a), (head_b, b) = trajectories
+    assert head_a == head_b == _ids(tokenizer, "<s>12+3=")
+    assert a.token_ids == tuple(first.choices[0].model_extra["asyncrl"]["token_ids"]) and set(a.loss_mask) == {1}
+    assert b.token_ids[:3] == tuple(first.choices[1].model_extra["asyncrl"]["token_ids"])
+    assert 0 in b.loss_mask and b.loss_mask[-1] == 1

@@ -14,6 +14,7 @@ from typing import Any
 
 from asyncrl.agents import AgentEndpoint, ChatRenderer, EndpointConfig, ParsedTurn, ToolCall
 from asyncrl.config import SamplingConfig
+from asyncrl.engines.protocols import Sampler
 from asyncrl.types import Sample
 
 TOKEN = "agent-test-token"
@@ -80,7 +81,7 @@ async def echo_agent(base_url: str, task: str, turns: int = 3, seed: int = 0, ma
     return out
 
 
-class EndlessSampler:
+class EndlessSampler(Sampler):
     """``sampler`` with end of sequence ignored, and an event set once a call reaches it: a long call then runs
     for all its ``max_tokens``, so a pause lands while it generates."""
 
@@ -93,12 +94,6 @@ class EndlessSampler:
     max_model_len = property(lambda self: self.sampler.max_model_len)
     vocab_size = property(lambda self: self.sampler.vocab_size)
     serving_dtype = property(lambda self: self.sampler.serving_dtype)
-
-    def for_session(self, key: str) -> EndlessSampler:
-        return self
-
-    def end_session(self, key: str) -> None:
-        pass
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:
