@@ -11,8 +11,9 @@ records its own run, and a run of some parts keeps the sections of the others):
 - ``learning``: ``asyncrl/examples/openai_agent.py`` end to end per seed (its own model, warm start, engine):
   held-out greedy accuracy and tool-call rate before and after GRPO, per seed and mean / min / max.
 - ``latency``: one vLLM OpenAI server; the same chat requests (``--requests`` of ``--max-tokens`` tokens, at
-  ``--concurrency`` in flight) sent to the server's own ``/v1/chat/completions`` and to asyncrl's endpoint in
-  front of it (a ``RemoteVLLMEngine``), in alternating rounds; p50 and p99 per side, and their ratios.
+  ``--concurrency`` in flight) sent to the server's own ``/v1/chat/completions``, to asyncrl's endpoint in
+  front of it (a ``RemoteVLLMEngine``), and, to tell the two layers apart, straight to that ``RemoteVLLMEngine``
+  on the ids the endpoint renders; in alternating rounds; p50 and p99 per side, and their ratios.
 - ``routing``: two servers behind an ``EnginePool``, multi-turn sessions through the endpoint (a long shared
   system message, ``--turns`` calls each), sticky (``EnginePool.for_session``) and not (every call least-loaded),
   in alternating rounds: the servers' prefix-cache hit rate (their ``/metrics``) and the calls' latency.
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--sessions", type=int, default=16, help="routing: sessions per round")
     p.add_argument("--turns", type=int, default=4, help="routing: calls per session")
+    p.add_argument("--tight-kv-blocks", type=int, nargs="*", default=[64, 24], help=(
+        "routing: KV blocks (32 tokens) per server in the tight runs: 64 holds every session's context on one "
+        "server, 24 not even the sessions pinned there"))
+    p.add_argument("--load-gen", help=argparse.SUPPRESS)  # internal: the latency part's client process
     return p.parse_args(argv)
 
 
@@ -106,11 +111,14 @@ async def _timed_calls(send: Any, n: int, concurrency: int) -> list[float]:
 
 
 @contextlib.asynccontextmanager
-async def _servers(model_dir: Path, count: int, template: Path) -> Any:
+async def _servers(model_dir: Path, count: int, template: Path, kv_blocks: int | None = None) -> Any:
+    """``count`` servers (``kv_blocks``: each one's KV cache in 32-token blocks; None: vLLM's own size)."""
     from asyncrl.engines.vllm_remote import RemoteEngineConfig, RemoteVLLMEngine, free_port, start_vllm_server
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--block-size", "32",
             "--enable-prefix-caching", "--chat-template", str(template)]
+    if kv_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(kv_blocks)]
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(start_vllm_server(model_dir, free_port(), extra_args=args))
                    for _ in range(count)]
@@ -125,44 +133,81 @@ async def _servers(model_dir: Path, count: int, template: Path) -> Any:
 
 
 async def latency(args: argparse.Namespace, model_dir: Path, template: Path) -> dict[str, Any]:
-    from openai import AsyncOpenAI
+    """The clients of both HTTP sides run in a load-generating process of their own, as agents would: what is
+    timed in this one is only the endpoint (and, for ``engine``, asyncrl's server client)."""
     from transformers import AutoTokenizer
 
     from asyncrl.agents import AgentEndpoint, ChatRenderer, EndpointConfig
+    from asyncrl.config import SamplingConfig
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    renderer = ChatRenderer(tok, TEMPLATE)
+    sides = ("vllm", "engine", "asyncrl")
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    tokens: dict[str, list[int]] = {k: [] for k in sides}
     async with _servers(model_dir, 1, template) as (servers, engines):
-        async with AgentEndpoint(engines[0], ChatRenderer(tok, TEMPLATE), EndpointConfig(token="bench")) as ep:
-            clients = {"vllm": AsyncOpenAI(base_url=f"{servers[0].base_url}/v1", api_key="x", max_retries=0),
-                       "asyncrl": AsyncOpenAI(base_url=ep.base_url, api_key="bench", max_retries=0)}
-            model = {"vllm": servers[0].model_name, "asyncrl": "asyncrl-policy"}
-            times: dict[str, list[float]] = {k: [] for k in clients}
-            tokens: dict[str, list[int]] = {k: [] for k in clients}
+        async with AgentEndpoint(engines[0], renderer, EndpointConfig(token="bench")) as ep:
+            target = {"vllm": (f"{servers[0].base_url}/v1", "x", servers[0].model_name),
+                      "asyncrl": (ep.base_url, "bench", "asyncrl-policy")}
 
-            def sender(side: str) -> Any:
-                async def send(i: int) -> None:
-                    r = await clients[side].chat.completions.create(
-                        model=model[side], messages=[{"role": "user", "content": f"{i % 90 + 10}+{i % 7}="}],
-                        max_tokens=args.max_tokens, temperature=1.0, seed=i)
-                    tokens[side].append(r.usage.completion_tokens)
-                return send
-            for side in clients:  # warm-up: connections and the template compiled on both sides
-                await _timed_calls(sender(side), 16, args.concurrency)
+            async def direct(i: int) -> None:  # asyncrl's engine client alone, on the ids the endpoint renders
+                prompt = renderer.prompt_ids([{"role": "user", "content": _question(i)}], None)
+                [s] = await engines[0].generate(prompt, SamplingConfig(n=1, max_tokens=args.max_tokens, seed=i),
+                                                f"direct-{i}")
+                tokens["engine"].append(len(s.token_ids))
+
+            async def run(side: str, n: int) -> list[float]:
+                if side == "engine":
+                    return await _timed_calls(direct, n, args.concurrency)
+                url, key, model = target[side]
+                spec = json.dumps({"url": url, "key": key, "model": model, "n": n, "concurrency": args.concurrency,
+                                   "max_tokens": args.max_tokens})
+                proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bench.cpu.openai_agent",
+                                                            "--load-gen", spec, stdout=asyncio.subprocess.PIPE,
+                                                            cwd=common.ROOT)
+                out, _ = await proc.communicate()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"the load generator for {side} exited with {proc.returncode}")
+                seen = json.loads(out.decode().strip().splitlines()[-1])
+                tokens[side] += seen["tokens"]
+                return seen["seconds"]
+            for side in sides:  # warm-up: connections and the template compiled on every side
+                await run(side, 16)
                 tokens[side].clear()
             for _ in range(args.rounds):
-                for side in clients:
-                    times[side] += await _timed_calls(sender(side), args.requests, args.concurrency)
-            for c in clients.values():
-                await c.close()
+                for side in sides:
+                    times[side] += await run(side, args.requests)
     out: dict[str, Any] = {}
     for side, values in times.items():
         out[side] = {"p50_ms": 1000 * _pct(values, 0.5), "p99_ms": 1000 * _pct(values, 0.99),
                      "requests": len(values), "completion_tokens_mean": statistics.fmean(tokens[side])}
+    out["engine_ratio_p50"] = out["engine"]["p50_ms"] / out["vllm"]["p50_ms"]  # the engine client's share
     out["ratio_p50"] = out["asyncrl"]["p50_ms"] / out["vllm"]["p50_ms"]
     out["ratio_p99"] = out["asyncrl"]["p99_ms"] / out["vllm"]["p99_ms"]
     out["overhead_p50_ms"] = out["asyncrl"]["p50_ms"] - out["vllm"]["p50_ms"]
     out["concurrency"], out["max_tokens"] = args.concurrency, args.max_tokens
     return out
+
+
+def _question(i: int) -> str:
+    return f"{i % 90 + 10}+{i % 7}="
+
+
+async def _load_gen(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["n"]`` chat calls at ``spec["concurrency"]``: each one's seconds and completion tokens."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=spec["url"], api_key=spec["key"], max_retries=0)
+    tokens: list[int] = []
+
+    async def send(i: int) -> None:
+        r = await client.chat.completions.create(model=spec["model"], messages=[{"role": "user",
+                                                                                 "content": _question(i)}],
+                                                 max_tokens=spec["max_tokens"], temperature=1.0, seed=i)
+        tokens.append(r.usage.completion_tokens)
+    seconds = await _timed_calls(send, spec["n"], spec["concurrency"])
+    await client.close()
+    return {"seconds": seconds, "tokens": tokens}
 
 
 def _session_system(key: int) -> str:
@@ -205,6 +250,15 @@ def _roaming(pool: Any) -> Any:
 
 
 async def routing(args: argparse.Namespace, model_dir: Path, template: Path) -> dict[str, Any]:
+    """Both sides with room for every session's context on each server, then with each ``--tight-kv-blocks``."""
+    out = {"roomy": await _routing(args, model_dir, template, None)}
+    for blocks in args.tight_kv_blocks:
+        out[f"kv{blocks}"] = await _routing(args, model_dir, template, blocks)
+    return out
+
+
+async def _routing(args: argparse.Namespace, model_dir: Path, template: Path, kv_blocks: int | None
+                   ) -> dict[str, Any]:
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
 
@@ -213,7 +267,7 @@ async def routing(args: argparse.Namespace, model_dir: Path, template: Path) -> 
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     out: dict[str, Any] = {}
-    async with _servers(model_dir, 2, template) as (servers, engines):
+    async with _servers(model_dir, 2, template, kv_blocks) as (servers, engines):
         pool = EnginePool(engines, name="pool")
         sides = {"sticky": pool, "roaming": _roaming(pool)}
         stats = {k: {"hits": 0.0, "queries": 0.0, "calls_s": []} for k in sides}
@@ -241,7 +295,7 @@ async def routing(args: argparse.Namespace, model_dir: Path, template: Path) -> 
                      "p50_ms": 1000 * _pct(s["calls_s"], 0.5), "p99_ms": 1000 * _pct(s["calls_s"], 0.99),
                      "calls": len(s["calls_s"])}
     out["ratio_p50"] = out["sticky"]["p50_ms"] / out["roaming"]["p50_ms"]
-    out["sessions"], out["turns"] = args.sessions, args.turns
+    out["sessions"], out["turns"], out["kv_blocks"] = args.sessions, args.turns, kv_blocks
     return out
 
 
@@ -258,6 +312,9 @@ async def _session(client: Any, key: int, args: argparse.Namespace, times: list[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.load_gen:
+        print(json.dumps(asyncio.run(_load_gen(json.loads(args.load_gen)))))
+        return 0
     common.set_env()
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     import asyncrl

@@ -70,8 +70,14 @@ def tool_use(r: dict[str, Any]) -> list[str]:
 
 
 def openai_agent(r: dict[str, Any]) -> list[str]:
-    """The agent example's seeds, then the endpoint against vLLM's own server, then sticky routing."""
+    """The agent example's seeds, then the endpoint against vLLM's own server, then sticky routing; each part
+    with the run that measured it."""
     lines: list[str] = []
+
+    def measured(part: dict[str, Any]) -> list[str]:
+        run = part.get("run")
+        return [] if run is None else ["", f"Measured by `{run['command']}` on {run['date'][:10]}, load "
+                                           f"{run['loadavg_at_start'][0]:.1f} at its start."]
     if "learning" in r:
         x = r["learning"]
         rows = [[str(y["seed"]), pct(y["accuracy_before"]), f"**{pct(y['accuracy_after'])}**",
@@ -80,20 +86,26 @@ def openai_agent(r: dict[str, Any]) -> list[str]:
         g = x["summary"]["gain_points"]
         lines += table(["seed", "accuracy before", "after", "tool-call rate before", "after", "calls/episode",
                         "splits", "RL s"], rows)
-        lines += ["", f"Mean gain **{g['mean']:+.1f} points** (sd {g['sd']:.1f}, min {g['min']:+.1f})."]
+        lines += ["", f"Mean gain **{g['mean']:+.1f} points** (sd {g['sd']:.1f}, min {g['min']:+.1f}).", *measured(x)]
     if "latency" in r:
         x = r["latency"]
         rows = [[side, num(x[side]["p50_ms"], 0), num(x[side]["p99_ms"], 0), str(x[side]["requests"]),
-                 num(x[side]["completion_tokens_mean"], 1)] for side in ("vllm", "asyncrl")]
+                 num(x[side]["completion_tokens_mean"], 1)] for side in ("vllm", "engine", "asyncrl") if side in x]
         lines += ["", f"Chat completions at concurrency {x['concurrency']}, {x['max_tokens']} tokens each:", "",
                   *table(["served by", "p50 ms", "p99 ms", "requests", "tokens/request"], rows), "",
-                  f"asyncrl's endpoint over vLLM's server: p50 x{num(x['ratio_p50'])}, p99 x{num(x['ratio_p99'])}."]
+                  f"asyncrl's endpoint over vLLM's server: p50 x{num(x['ratio_p50'])}, p99 x{num(x['ratio_p99'])} "
+                  f"(`engine`: asyncrl's server client alone, without the endpoint).", *measured(x)]
     if "routing" in r:
         x = r["routing"]
-        rows = [[side, pct(x[side]["prefix_cache_hit_rate"]), num(x[side]["p50_ms"], 0), num(x[side]["p99_ms"], 0),
-                 str(x[side]["calls"])] for side in ("sticky", "roaming")]
-        lines += ["", f"{x['sessions']} sessions of {x['turns']} calls per round over two servers:", "",
-                  *table(["routing", "prefix-cache hit rate", "p50 ms", "p99 ms", "calls"], rows)]
+        rows = [["vLLM's default" if v["kv_blocks"] is None else f"{v['kv_blocks']} blocks of 32 tokens",
+                 {"sticky": "sticky", "roaming": "least-loaded"}[side],
+                 pct(v[side]["prefix_cache_hit_rate"]), num(v[side]["p50_ms"], 0), num(v[side]["p99_ms"], 0),
+                 str(v[side]["calls"])] for regime, v in x.items() if regime != "run" for side in ("sticky", "roaming")]
+        head = x["roomy"]
+        lines += ["", f"{head['sessions']} sessions of {head['turns']} calls per round over two servers, each server's "
+                      "KV cache at vLLM's default size, then capped:", "",
+                  *table(["KV cache per server", "routing", "prefix-cache hit rate", "p50 ms", "p99 ms", "calls"],
+                         rows), *measured(x)]
     return lines
 
 

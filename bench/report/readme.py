@@ -245,11 +245,15 @@ def agent_block(results_dir: Path) -> str:
                      f"against the server's own {num(v['vllm']['p50_ms'], 0)} ms (x{num(v['ratio_p50'])}; p99 "
                      f"x{num(v['ratio_p99'])}) at concurrency {v['concurrency']}.")
     if "routing" in r:
-        v = r["routing"]
-        parts.append(f"Sticky sessions over two servers hit the prefix cache for "
-                     f"{pct(v['sticky']['prefix_cache_hit_rate'])} of prompt tokens against "
-                     f"{pct(v['roaming']['prefix_cache_hit_rate'])} roaming (p50 {num(v['sticky']['p50_ms'], 0)} "
-                     f"against {num(v['roaming']['p50_ms'], 0)} ms).")
+        runs = [v for k, v in r["routing"].items() if k != "run"]
+
+        def cache(v: dict[str, Any]) -> str:
+            blocks = v["kv_blocks"]
+            return "at the default KV cache" if blocks is None else f"with {blocks} KV blocks per server"
+        parts.append("Over two servers, sticky sessions hit the prefix cache for " + "; ".join(
+            f"{pct(v['sticky']['prefix_cache_hit_rate'])} of prompt tokens against "
+            f"{pct(v['roaming']['prefix_cache_hit_rate'])} for least-loaded routing {cache(v)} "
+            f"(p50 {num(v['sticky']['p50_ms'], 0)} against {num(v['roaming']['p50_ms'], 0)} ms)" for v in runs) + ".")
     return " ".join(parts) + f" ({source})"
 
 
