@@ -63,11 +63,12 @@ class CalculatorProtocol:
 # -- the same protocol as a chat: what the OpenAI-endpoint example (openai_agent.py) serves ---------------------
 
 # Renders a conversation exactly as the episodes above are laid out: the user's problem, a call as
-# <calc>expression</calc>, its result as <res>value</res>, a final answer ended by the end-of-sequence token.
+# <calc>expression</calc> (after any text the model wrote before it), its result as <res>value</res>, a final
+# answer ended by the end-of-sequence token.
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{%- if m.tool_calls -%}{{ m.content or '' }}{%- for c in m.tool_calls -%}"
     "<calc>{{ c.function.arguments.expression }}</calc>{%- endfor -%}"
     "{%- else -%}{{ m.content }}{{ eos_token }}{%- endif -%}"
     "{%- elif m.role == 'tool' -%}<res>{{ m.content }}</res>"

@@ -313,3 +313,24 @@ async def test_each_choice_is_a_branch_and_one_not_continued_is_a_trajectory(tok
     assert a.token_ids == tuple(first.choices[0].model_extra["asyncrl"]["token_ids"]) and set(a.loss_mask) == {1}
     assert b.token_ids[:3] == tuple(first.choices[1].model_extra["asyncrl"]["token_ids"])
     assert 0 in b.loss_mask and b.loss_mask[-1] == 1
+
+
+async def test_streamed_and_whole_answers_of_one_sample_are_the_same(tokenizer) -> None:
+    """The fake engine samples the same ids for the same prompt: the two wire formats can be compared directly."""
+    engine = FakeEngine(vocab_size=len(tokenizer))
+    args = dict(model="m", messages=[USER], tools=[], max_tokens=5, logprobs=True)
+    async with endpoint_on(engine, tokenizer) as ep:
+        oai = client(ep.base_url)
+        whole = (await oai.chat.completions.create(**args)).choices[0]
+        content, calls, lps, finish = "", [], [], None
+        async for chunk in await oai.chat.completions.create(**args, stream=True):
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                calls += chunk.choices[0].delta.tool_calls or []
+                lps += [e.logprob for e in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+                finish = chunk.choices[0].finish_reason or finish
+        await oai.close()
+    assert content == (whole.message.content or "") and finish == whole.finish_reason
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert lps == [e.logprob for e in whole.logprobs.content] and len(lps) == 5
