@@ -61,7 +61,7 @@ class RewardScorer:
     def __init__(self, fn: Callable[..., Any], config: ProducerConfig, *, kind: ScoringKind = REWARD) -> None:
         self._fn = fn
         self._kind = kind
-        self._is_async = _is_async_callable(fn)
+        self._is_async = is_async_callable(fn)
         self._in_thread = not self._is_async and config.sync_rewards is RewardExecution.THREAD
         self._timeout_s = config.reward_timeout_s
         self._limiter = anyio.CapacityLimiter(config.reward_threads)
@@ -174,5 +174,5 @@ async def _as_awaitable(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _is_async_callable(fn: object) -> bool:
+def is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))

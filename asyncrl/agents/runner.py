@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import anyio
 from pydantic import Field
 
-from asyncrl.actors.rewards import RewardRejected, RewardScorer, _is_async_callable
+from asyncrl.actors.rewards import RewardRejected, RewardScorer, is_async_callable
 from asyncrl.agents.endpoint import AgentEndpoint
 from asyncrl.agents.sessions import Session
 from asyncrl.aio import together
@@ -99,7 +99,7 @@ class AgentRunner:
 
     async def _one(self, url: str, task: str) -> Any:
         token = self.endpoint.config.token
-        if _is_async_callable(self.agent):
+        if is_async_callable(self.agent):
             return await self.agent(url, token, task)
         # A synchronous agent (the sync openai client) runs in a thread; a cancelled episode closes its session,
         # so the thread's next call gets a 404 and it ends.

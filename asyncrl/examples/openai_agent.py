@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import random
 import re
 import secrets
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +222,7 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
     runner = AgentRunner(endpoint, agent, reward_fn=lambda p, result: task.reward(result, p.answer),
                          producer=config.producer)
     prompts = PromptSource(Prompt(f"train-{i}", (), ex.prompt, ex.answer)
-                           for i, ex in _endless(task.train, args.seed))
+                           for i, ex in tool_use._endless(task.train, args.seed))
     policy = AutoModelForCausalLM.from_pretrained(str(endpoint.renderer.tokenizer.name_or_path), dtype=torch.float32)
     pipeline = grpo_pipeline(engine, policy, prompts, None, config, pad_id=tok.pad_token_id, monitor=monitor,
                              close_engine=False, agents=runner)
@@ -241,14 +238,6 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
     after = await evals.evaluate()
     return {"before": before, "after": after, "eval_s": evals.seconds, "steps": stats.steps, "wall_s": stats.wall_s,
             "samples_trained": stats.samples_trained, "dropped": stats.dropped, "agent": runner.metrics()}
-
-
-def _endless(items: Sequence[Any], seed: int) -> Any:
-    rng = random.Random(seed)
-    for _ in itertools.count():
-        order = list(range(len(items)))
-        rng.shuffle(order)
-        yield from ((i, items[i]) for i in order)
 
 
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
@@ -269,12 +258,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     png = tool_use.plot([{**r, "episode/tool_call_rate": r.get("agent/calls_per_episode", 1.0) - 1.0} for r in rows],
                         args.out / "openai_agent.png", result["before"], result["after"], result["steps"])
-    b, a = result["before"], result["after"]
-    print(f"GRPO: {result['steps']} steps, {result['samples_trained']} episodes in {result['wall_s']:.0f}s; "
-          f"dropped {result['dropped']}")
-    print(f"held-out greedy accuracy: before {b['accuracy']:.1%} -> after {a['accuracy']:.1%}; "
-          f"tool-call rate {b['tool_rate']:.1%} -> {a['tool_rate']:.1%}")
-    print(f"run dir: {args.out}  (metrics.jsonl, {png.name}, summary.json); total {total_s:.0f}s")
+    tool_use.print_result(args.out, result, png, total_s)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -331,12 +331,17 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     png = plot(rows, args.out / "tool_use.png", result["before"], result["after"], result["steps"],
                result["start_step"])
+    print_result(args.out, result, png, total_s)
+
+
+def print_result(out: Path, result: dict[str, Any], png: Path, total_s: float) -> None:
+    """The run's last lines: episodes trained, accuracy and tool-call rate before and after, where it wrote."""
     b, a = result["before"], result["after"]
     print(f"GRPO: {result['steps']} steps, {result['samples_trained']} episodes in {result['wall_s']:.0f}s; "
           f"dropped {result['dropped']}")
     print(f"held-out greedy accuracy: before {b['accuracy']:.1%} -> after {a['accuracy']:.1%}; "
           f"tool-call rate {b['tool_rate']:.1%} -> {a['tool_rate']:.1%}")
-    print(f"run dir: {args.out}  (metrics.jsonl, {png.name}, summary.json); total {total_s:.0f}s")
+    print(f"run dir: {out}  (metrics.jsonl, {png.name}, summary.json); total {total_s:.0f}s")
 
 
 def cli(argv: list[str] | None = None) -> int:
