@@ -31,7 +31,23 @@ def first_cause(group: BaseExceptionGroup) -> BaseException:
 
 async def together(*aws: Awaitable[Any]) -> list[Any]:
     """Run the awaitables concurrently and return their results. The first failure cancels the rest and is
-    raised as itself (callers catch specific errors, not exception groups)."""
+    raised as itself (callers catch specific errors, not exception groups). A cancellation of the caller always
+    wins: Python 3.11's TaskGroup raises a child's error in place of the caller's pending ``CancelledError`` (it
+    once let a cancelled producer slot run on and wait for ever for an admission ticket)."""
+    caller = asyncio.current_task()
+    before = caller.cancelling() if caller is not None else 0
+    # The group runs in a task of its own, so its own cancel-and-uncancel of its parent (which 3.11 leaves
+    # counted) never touches the caller's count: what is left there is a real cancellation.
+    group = asyncio.ensure_future(_group(aws))
+    try:
+        return await group
+    except BaseException as exc:
+        if caller is not None and caller.cancelling() > before and not isinstance(exc, asyncio.CancelledError):
+            raise asyncio.CancelledError() from exc
+        raise
+
+
+async def _group(aws: tuple[Awaitable[Any], ...]) -> list[Any]:
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(aw) for aw in aws]  # type: ignore[arg-type]

@@ -39,3 +39,42 @@ def test_settle_lets_the_error_through_when_not_cancelled():
 
     with pytest.raises(ValueError, match="boom"):
         asyncio.run(settle(failing()))
+
+
+def test_together_lets_the_callers_cancellation_through_a_child_that_fails_as_it_is_cancelled():
+    """Python 3.11's TaskGroup raises a child's error in place of the caller's cancellation; ``together`` must not:
+    a pairwise judge that raised while the pipeline was shutting down once let a producer slot run on, cancelled,
+    and wait for ever for an admission ticket."""
+    from asyncrl.aio import together
+
+    async def fails_when_cancelled(started: asyncio.Event) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise RuntimeError("judge service down")
+
+    async def scenario() -> str:
+        started = asyncio.Event()
+        task = asyncio.create_task(together(fails_when_cancelled(started), fails_when_cancelled(asyncio.Event())))
+        await started.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        except RuntimeError:
+            return "the child's error"
+        return "finished"
+
+    assert asyncio.run(scenario()) == "cancelled"
+
+
+def test_together_raises_a_childs_error_as_itself_when_nobody_cancelled():
+    from asyncrl.aio import together
+
+    async def fails() -> None:
+        raise RuntimeError("judge service down")
+
+    with pytest.raises(RuntimeError, match="judge service down"):
+        asyncio.run(together(fails(), asyncio.sleep(10)))

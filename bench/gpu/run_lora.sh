@@ -6,7 +6,8 @@
 #   lora05  python -m bench.gpu.lora on the 0.5B shape: LoRA against full fine-tuning, side by side
 #   lora15  the same on the 1.5B shape
 # PEFT's wheel (bench/gpu/fetch_peft_wheels.sh, $PEFT_WHEELS, default .cache/gpu-peft) is unpacked into
-# /tmp/peft-site. $LORA_STEPS (default 12) and $LORA_SIDES (default full,lora) shape the lora steps. Results
+# /tmp/peft-site. $LORA_STEPS (default 12), $LORA_SIDES (default full,lora) and $LORA_ARGS (more bench.gpu.lora
+# arguments, after the step's own: e.g. "--no-compile-layers --tag q05_eager") shape the lora steps. Results
 # land in $OUT: summary.txt, one log per step, and the steps' JSON.
 # Usage, from the repository root (host setup sourced first where needed):
 #   bash bench/gpu/run_lora.sh [BUDGET_S] [STEP...]
@@ -23,8 +24,9 @@ for s in $STEPS; do case $s in
   tests) step tests "$(left)" "$PY" -m pytest -o addopts="" -v --no-header -m gpu tests/lora/test_lora_gpu.py \
       tests/engines/vllm_local/test_gpu.py;;
   ipc) step ipc "$(left)" "$PY" -m bench.cpu.weight_sync --sizes 1gib --reps 5 --background 4 --out "$OUT";;
-  lora05) step lora05 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-0.5b --tag q05;;
-  lora15) step lora15 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-1.5b --micro-batch-tokens 32768 --tag q15;;
+  lora05) step lora05 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-0.5b --tag q05 ${LORA_ARGS:-};;
+  lora15) step lora15 "$(left)" "$PY" "${LORA[@]}" --shapes qwen2-1.5b --micro-batch-tokens 32768 --tag q15 \
+      ${LORA_ARGS:-};;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
 esac; done
 grep -hE "passed|failed|Error|lora/full|\] (full|lora):" "$OUT"/*.log | tail -30

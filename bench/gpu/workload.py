@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ours: fast = packed rows, varlen attention, compiled decoder layers, micro-batches of "
                         "--micro-batch-tokens (compiled once before the timed run); padded = 8-rollout padded rows")
     p.add_argument("--micro-batch-tokens", type=int, default=65536)
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="fast learner: compile the decoder layers (--no-compile-layers: eager, same rows)")
     p.add_argument("--inflight-batches", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-start-steps", type=int, default=0, help="0: the shape's default")
@@ -132,7 +134,7 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool, lr: float | Non
 def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.learner == "padded":
         return {}
-    return {"packing": True, "varlen_attention": not args.cpu_smoke, "compile_layers": not args.cpu_smoke,
+    return {"packing": True, "varlen_attention": not args.cpu_smoke, "compile_layers": args.compile_layers and not args.cpu_smoke,
             "micro_batch_tokens": args.micro_batch_tokens}
 
 
@@ -220,6 +222,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
         marks.append(time.perf_counter() - t0)
         tokens.append(m.get("train/completion_len_mean", 0.0) * per_step)
         rewards.append(m.get("train/reward_mean", float("nan")))
+        print(f"step {step} ends at {marks[-1]:.1f}s", flush=True)  # a run cut short still shows its pace
 
     pipe.learner.hooks.append(hook)
     counters = getattr(engine, "sleep_counters", None)

@@ -115,11 +115,6 @@ async def test_xpo_judges_against_a_frozen_reference_engine(vllm_engine, referen
     assert 0.0 <= metrics[-1]["judge/win_rate"] <= 1.0 and "loss/xpo_exploration" in metrics[-1]
 
 
-@pytest.mark.skip(reason=(
-    "open bug: after other vLLM test modules in the same process (reproduced after "
-    "tests/episodes/test_episodes_vllm.py), this run hangs at shutdown, a cancelled producer slot never leaving "
-    "the admission gate with the event loop idle; it passes alone (pytest tests/preference/test_preference_vllm.py"
-    " with this mark removed). Recorded in the issue notes."))
 @pytest.mark.asyncio(loop_scope="session")
 async def test_nash_md_judges_against_a_mixture_that_follows_the_policy(vllm_engine, tiny_model_dir, tokenizer):
     policy = load_hf_model(tiny_model_dir)
