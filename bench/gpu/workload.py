@@ -134,8 +134,8 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool, lr: float | Non
 def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.learner == "padded":
         return {}
-    return {"packing": True, "varlen_attention": not args.cpu_smoke, "compile_layers": args.compile_layers and not args.cpu_smoke,
-            "micro_batch_tokens": args.micro_batch_tokens}
+    return {"packing": True, "varlen_attention": not args.cpu_smoke,
+            "compile_layers": args.compile_layers and not args.cpu_smoke, "micro_batch_tokens": args.micro_batch_tokens}
 
 
 def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
