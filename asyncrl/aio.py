@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -42,6 +43,9 @@ async def together(*aws: Awaitable[Any]) -> list[Any]:
     try:
         return await group
     except BaseException as exc:
+        for aw in aws:  # cancelled before the group started: its coroutines were never awaited
+            if inspect.iscoroutine(aw) and inspect.getcoroutinestate(aw) == inspect.CORO_CREATED:
+                aw.close()
         if caller is not None and caller.cancelling() > before and not isinstance(exc, asyncio.CancelledError):
             raise asyncio.CancelledError() from exc
         raise

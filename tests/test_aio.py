@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -78,3 +79,21 @@ def test_together_raises_a_childs_error_as_itself_when_nobody_cancelled():
 
     with pytest.raises(RuntimeError, match="judge service down"):
         asyncio.run(together(fails(), asyncio.sleep(10)))
+
+
+def test_together_cancelled_before_it_starts_closes_the_coroutines_it_was_given():
+    from asyncrl.aio import together
+
+    async def judge() -> float:
+        return 1.0
+
+    async def scenario() -> str:
+        coro = judge()
+        task = asyncio.create_task(together(coro))
+        await asyncio.sleep(0)  # together has started its group's task, which has not run yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return inspect.getcoroutinestate(coro)
+
+    assert asyncio.run(scenario()) == inspect.CORO_CLOSED
