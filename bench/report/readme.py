@@ -191,7 +191,8 @@ def lora_block(results_dir: Path) -> str:
                 continue
             layers = "compiled" if full.get("learner_options", {}).get("compile_layers") else "eager"
             lines.append(f"- One H200, {shape}, ours async, learner layers {layers}, LoRA rank {lora['lora']['rank']} "
-                         f"against full fine-tuning in one run: publication pause {ms(lora['publication_pause_s']['mean'])} against "
+                         f"against full fine-tuning in one run: publication pause "
+                         f"{ms(lora['publication_pause_s']['mean'])} against "
                          f"{ms(full['publication_pause_s']['mean'])}; learner peak memory "
                          f"{num(lora['learner_peak_allocated_gib'], 1)} GiB against "
                          f"{num(full['learner_peak_allocated_gib'], 1)}, the whole GPU's "
