@@ -1,25 +1,26 @@
 """asyncrl: asyncio-native asynchronous RL for language models.
 
 vLLM producers stream version-tagged rollouts into a bounded queue; an async learner trains on them and
-publishes new weights into the engine (prepare -> pause -> load -> resume).
+publishes new weights into the engine (prepare -> pause -> load -> resume). A program needs this module and, for
+a tiny model and task to try it on, ``asyncrl.testing``; the packages below it hold the rest by role.
 """
 
-from asyncrl.actors import Evaluator, Learner, Producer, RewardFn, WeightSync, publish
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.actors import Evaluator, WeightSync, publish
 from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import (
     AbortPolicy, Autocast, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
     QueueConfig, RewardExecution, SamplingConfig, SyncConfig,
 )
-from asyncrl.counters import GroupTotals
-from asyncrl.data import PromptSource
-from asyncrl.engines import state_dict_for_engine
-from asyncrl.episodes import Env, EnvFactory, Episode, EpisodeRunner, StepResult, ToolBox, ToolCall, ToolEnv
+from asyncrl.data import Example, PromptSource, encode_prompts
+from asyncrl.episodes import EpisodeGroups
 from asyncrl.errors import (
     ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
     PublicationMismatch, QueueClosed, RolloutDropped, WeightUpdateError,
 )
+from asyncrl.groups import GroupMaker, GroupRequest, RewardFn, RewardGroups
 from asyncrl.pipeline import Pipeline, RunResult
-from asyncrl.queues import RemoteQueueClient, RolloutIngestServer, RolloutReceiver, RolloutSender, create_rollout_queue
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.runtime import run
 from asyncrl.types import (
@@ -27,18 +28,31 @@ from asyncrl.types import (
 )
 from asyncrl.versions import VersionClock
 
+if TYPE_CHECKING:
+    from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+
 __version__ = "0.2.0"
+
+# vLLM in this process, imported on first use: ``import asyncrl`` stays cheap for a learner rank or a producer
+# that talks to a server.
+_ENGINE = {"VLLMEngine", "VLLMEngineConfig"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE:
+        from asyncrl.engines import vllm_local
+
+        return getattr(vllm_local, name)
+    raise AttributeError(f"module 'asyncrl' has no attribute {name!r}")
+
 
 __all__ = [
     "AbortPolicy", "Autocast", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError",
-    "Env", "EnvFactory", "Episode", "EpisodeConfig", "EpisodeRunner", "Evaluator", "FinishReason", "GRPOLoss",
-    "GroupTotals",
-    "InvalidGroupError", "InvalidGroupPolicy", "Learner", "LearnerConfig", "LossConfig", "NoProgressError",
-    "PauseMode", "Pipeline", "PipelineConfig", "Producer", "ProducerConfig", "Prompt", "PromptRejected",
-    "PromptSource", "PublicationMismatch", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution",
-    "RewardFn", "Rollout",
-    "RolloutDropped", "RolloutGroup", "RolloutIngestServer", "RolloutReceiver", "RolloutSender", "RunResult",
-    "Sample", "SamplingConfig", "StepResult", "SyncConfig", "SyncTiming", "ToolBox", "ToolCall", "ToolEnv",
-    "Trajectory", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError", "create_rollout_queue",
-    "grpo_pipeline", "publish", "run", "state_dict_for_engine",
+    "EpisodeConfig", "EpisodeGroups", "Evaluator", "Example", "FinishReason", "GRPOLoss", "GroupMaker", "GroupRequest",
+    "InvalidGroupError", "InvalidGroupPolicy", "LearnerConfig", "LossConfig", "NoProgressError", "PauseMode",
+    "Pipeline", "PipelineConfig", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource", "PublicationMismatch",
+    "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "RewardGroups", "Rollout", "RolloutDropped",
+    "RolloutGroup", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming", "Trajectory",
+    "VLLMEngine", "VLLMEngineConfig", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError",
+    "encode_prompts", "grpo_pipeline", "publish", "run",
 ]

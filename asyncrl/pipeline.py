@@ -22,7 +22,6 @@ from asyncrl.config import PipelineConfig
 from asyncrl.counters import GroupTotals
 from asyncrl.errors import ConfigError
 from asyncrl.engines.protocols import Lifecycle, WeightTarget
-from asyncrl.episodes.runner import EpisodeMetricsHook
 from asyncrl.errors import NoProgressError
 from asyncrl.metrics import ProgressLine
 from asyncrl.types import RolloutGroup
@@ -70,15 +69,9 @@ class Pipeline:
                                                       f"{learner.loss.min_group_size} samples, {p.name} samples {n}")
         for p in producers:  # the learner's totals (metrics, checkpoints) include what the producers dropped
             learner.books.include(p.counters)
-        runners = [p.episodes.counters for p in producers if p.episodes is not None]
-        if runners:  # turns, tool calls and environment time per learner step
-            learner.hooks.append(EpisodeMetricsHook(runners))
-        judges = list({id(p.judge): p.judge for p in producers if p.judge is not None}.values())
-        for judge in judges:  # comparisons, ties, win rate against the opponent, per learner step
-            learner.hooks.append(lambda step, metrics, judge=judge: metrics.update(judge.metrics()))
-        agents = list({id(p.agents): p.agents for p in producers if p.agents is not None}.values())
-        for runner in agents:  # episodes, trajectories, splits and the endpoint's calls, per learner step
-            learner.hooks.append(lambda step, metrics, runner=runner: metrics.update(runner.metrics()))
+        # Each maker's gauges (episodes, judge, agents...) per learner step, once for the producers sharing it.
+        for maker in {id(p.groups): p.groups for p in producers}.values():
+            learner.hooks.append(lambda step, metrics, maker=maker: metrics.update(maker.metrics()))
         self.config = config or PipelineConfig()
         if self.config.progress:  # printed after every hook, those added later too: it sees what they add
             learner.progress = ProgressLine()

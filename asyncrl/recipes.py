@@ -1,15 +1,16 @@
-"""Ready-made wiring for the common case: one engine, N producers, a queue and a GRPO learner."""
+"""Ready-made wiring for the common case: one engine, N producers sharing one group maker, a queue and a learner.
+
+A trainer is a group maker plus a loss: GRPO is ``RewardGroups`` (or ``EpisodeGroups``, an ``AgentRunner``...) with
+``GRPOLoss``; the preference trainers are ``JudgedGroups`` with their losses (``asyncrl.preference``)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.producer import Producer
-from asyncrl.actors.rewards import RewardFn
 from asyncrl.actors.training import TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
@@ -17,7 +18,7 @@ from asyncrl.algorithms.reference import Reference
 from asyncrl.config import ConfigError, LearnerConfig, PipelineConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Engine, WeightTarget
-from asyncrl.episodes.types import EnvFactory
+from asyncrl.groups.maker import GroupMaker
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
 from asyncrl.queues.admission import OPEN, AdmissionGate
@@ -25,32 +26,24 @@ from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
 
-if TYPE_CHECKING:
-    from asyncrl.preference.scoring import JudgeScorer
-    from asyncrl.agents.runner import AgentRunner
-
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
-                  PromptSource, reward_fn: RewardFn | None, config: PipelineConfig | None = None, *,
+                  PromptSource, groups: GroupMaker, config: PipelineConfig | None = None, *,
                   loss: Loss | None = None, loss_config: LossConfig | None = None, pad_id: int = 0,
                   ref_model: Reference | None = None, optimizer: torch.optim.Optimizer | None = None,
                   monitor: Monitor | None = None, step: int = 0, close_engine: bool = True,
-                  env: EnvFactory | None = None, backend: TrainingBackend | None = None,
-                  target: WeightTarget | None = None, judge: JudgeScorer | None = None,
-                  agents: AgentRunner | None = None) -> Pipeline:
-    """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on groups sampled from ``engine``.
+                  backend: TrainingBackend | None = None, target: WeightTarget | None = None) -> Pipeline:
+    """A ``Pipeline`` training ``model`` with GRPO (or ``loss``) on the groups ``groups`` makes from ``engine``'s
+    samples: ``RewardGroups(reward_fn)`` for completions scored one by one, ``EpisodeGroups(env)`` for multi-turn
+    episodes, an ``asyncrl.agents.AgentRunner`` for black-box agents, or a maker of your own
+    (``asyncrl.groups.GroupMaker``).
 
     The version clock starts at the engine's version. ``step`` continues a run restored from a checkpoint;
-    ``prompts`` may be a ``PromptSource`` already positioned at the checkpoint's cursor. With ``env`` every
-    group is ``n`` multi-turn episodes (``asyncrl.episodes``), rewarded by the environment plus ``reward_fn``
-    over the whole trajectory if one is given.
+    ``prompts`` may be a ``PromptSource`` already positioned at the checkpoint's cursor.
 
     With ``backend`` (e.g. ``asyncrl.distributed.FSDPBackend``) the learner trains through it, and ``model``,
     the loss arguments and ``optimizer`` must be left out: the backend owns them. ``target`` is what
-    publications go to (default: ``engine``). With ``judge`` (and ``reward_fn=None``) producers score groups with a
-    pairwise judge (``asyncrl.preference.preference_pipeline`` builds that with its loss). With ``agents`` (an
-    ``asyncrl.agents.AgentRunner``, and ``reward_fn=None``) every group is ``n`` black-box agent episodes through
-    its OpenAI-compatible endpoint, rewarded by the runner.
+    publications go to (default: ``engine``).
     """
     config = config or PipelineConfig()
     if backend is not None:
@@ -67,9 +60,8 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     gate = admission_gate(config, clock, step)
     sender, receiver = create_rollout_queue(config.queue, clock, gate=gate)
     with sender:  # each producer holds a clone; the queue ends when the last producer's closes
-        producers = [Producer(engine, source, reward_fn, sender.clone(), config.producer, name=f"producer-{i}",
-                              env=env, admission=gate or OPEN, judge=judge, agents=agents)
-                     for i in range(config.num_producers)]
+        producers = [Producer(engine, source, groups, sender.clone(), config.producer, name=f"producer-{i}",
+                              admission=gate or OPEN) for i in range(config.num_producers)]
     sync = WeightSync(target or engine, clock, config.learner.sync)
     if backend is not None:
         learner = Learner(None, None, None, receiver, sync, config.learner, monitor=monitor, step=step,

@@ -61,6 +61,15 @@ class DropReason(str, enum.Enum):
     AGENT_IDLE = "agent_idle"  # an agent ended without a completion call: nothing to train
     UNUSED_AT_SHUTDOWN = "unused_at_shutdown"  # still queued or in flight when the run ended
 
+    @property
+    def is_outcome(self) -> bool:
+        """A drop that is how things went (a pause cut it, the judge saw no difference, the run moved on), not
+        something wrong with the input: ``InvalidGroupPolicy.FAIL`` stops the run only for the others."""
+        return self in _OUTCOMES
+
+
+_OUTCOMES = frozenset({DropReason.STALE, DropReason.ABORTED, DropReason.PREFERENCE_TIE, DropReason.UNUSED_AT_SHUTDOWN})
+
 
 @dataclass(frozen=True, slots=True)
 class VersionSpan:
@@ -149,12 +158,11 @@ class RolloutGroup:
     group_id: str  # unique and stable: retries of the same group carry the same id
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
-    meta: Mapping[str, Any] = field(default_factory=dict)  # free-form producer metadata
-    # Completions of the same prompt by another policy (XPO's reference), one per rollout, judged against it:
-    # read by the loss, never trained on as rollouts, so they count in neither staleness nor token books.
-    opponents: tuple[Sample, ...] = ()
-    # Its place in start order from the pipeline's ``AdmissionGate`` (None: not gated); not sent over the wire
-    ticket: int | None = field(default=None, compare=False)
+    meta: Mapping[str, Any] = field(default_factory=dict)  # free-form metadata of the group's maker
+    # Samples a maker attaches for the loss beside the rollouts, by role: XPO's reference completions under
+    # ``"opponents"``, one per rollout. Never trained on as rollouts, so they count in neither staleness nor token
+    # books; they travel on the wire.
+    companions: Mapping[str, tuple[Sample, ...]] = field(default_factory=dict)
 
     @property
     def oldest_version(self) -> int:

@@ -1,15 +1,16 @@
-"""Held-out evaluation during training: a learner hook that samples fixed prompts on the engine every ``every``
-steps, scores them with the reward function and adds ``eval/*`` gauges to that step's metrics (so every sink
-gets them)::
+"""Held-out evaluation during training: a learner hook that makes groups of fixed prompts on the engine every
+``every`` steps, with any group maker, and adds ``eval/*`` gauges to that step's metrics (so every sink gets
+them)::
 
-    evaluator = Evaluator(engine, held_out, reward_fn, every=50, config=pipeline_config.producer)
+    evaluator = Evaluator(engine, held_out, RewardGroups(reward_fn), every=50, config=pipeline_config.producer)
     pipeline.learner.hooks.append(evaluator)
     before = await evaluator.evaluate()  # also callable by hand: before and after training
 
-An evaluation is a ``Producer`` with no queue behind it: the same reward machinery (a synchronous reward runs in
-worker threads, every call bounded by ``reward_timeout_s``), the same episodes when given ``env``, samples cut
-by an ``abort`` pause sampled again. Its requests run beside the producers' (nothing is paused), with request
-ids prefixed ``asyncrl-eval-<evaluator>-<round>-``, which no producer uses.
+An evaluation is a ``Producer`` with no queue behind it, driving a fork of the maker (``GroupMaker.fork``: the
+same functions, books of its own): the same reward machinery (a synchronous reward runs in worker threads, every
+call bounded by ``reward_timeout_s``), the same episodes, judges or agents as training, samples cut by an
+``abort`` pause sampled again. Its requests run beside the producers' (nothing is paused), with request ids
+prefixed ``asyncrl-eval-<evaluator>-<round>-``, which no producer uses.
 
 Sampling is greedy by default: ``GREEDY_TEMPERATURE``, below vLLM's threshold for argmax decoding
 (``SamplingConfig`` refuses 0), with the training config's length limit and stop ids; pass ``sampling`` for
@@ -35,14 +36,12 @@ import time
 from collections.abc import Iterable
 
 from asyncrl.actors.producer import Producer
-from asyncrl.actors.rewards import RewardFn
 from asyncrl.aio import first_cause
 from asyncrl.config import InvalidGroupPolicy, ProducerConfig, SamplingConfig
 from asyncrl.data import PromptSource
 from asyncrl.engines.protocols import Sampler
-from asyncrl.episodes.runner import episode_metrics
-from asyncrl.episodes.types import EnvFactory
 from asyncrl.errors import InvalidGroupError
+from asyncrl.groups.maker import GroupMaker
 from asyncrl.types import Prompt, RolloutGroup, Sample
 
 __all__ = ["GREEDY_TEMPERATURE", "Evaluator", "greedy"]
@@ -62,24 +61,27 @@ class Evaluator:
     """A learner hook (``learner.hooks.append(evaluator)``) evaluating ``prompts`` every ``every`` steps (0: only
     when ``evaluate`` is called).
 
-    ``config`` supplies the reward limits (``reward_timeout_s``, ``sync_rewards``, ``reward_threads``), the
-    episode limits and, unless ``sampling`` is given, the length limit and stop ids of the greedy sampling; pass
-    the pipeline's ``config.producer``. ``env``: each prompt is played as an episode, rewarded as a producer
-    rewards it (the environment's rewards plus ``reward_fn`` if given). ``concurrency``: prompts in flight.
+    ``groups``: the maker, the training pipeline's own or another (``RewardGroups``, ``EpisodeGroups``,
+    ``JudgedGroups``, an ``AgentRunner``, one of your own). ``config`` supplies the reward limits
+    (``reward_timeout_s``, ``sync_rewards``, ``reward_threads``), the episode limits and, unless ``sampling`` is
+    given, the length limit and stop ids of the greedy sampling; pass the pipeline's ``config.producer``.
+    ``concurrency``: prompts in flight.
 
     Metrics: ``eval/accuracy`` and ``eval/reward_mean`` (the mean reward over all samples: the accuracy for a 0/1
-    reward), ``eval/samples``, ``eval/dropped`` (groups cut by abort pauses too often), ``eval/version`` (the
-    version served when it started), ``eval/s``; with ``env``, the round's ``eval/episode/*`` gauges.
+    reward, a win probability for a judge), ``eval/samples``, ``eval/dropped`` (groups cut by abort pauses too
+    often, or ties), ``eval/version`` (the version served when it started), ``eval/s``; and the round's own
+    gauges of the maker (``eval/episode/*``, ``eval/judge/*``, ``eval/agent/*``).
     """
 
-    def __init__(self, engine: Sampler, prompts: Iterable[Prompt], reward_fn: RewardFn | None, *, every: int,
+    def __init__(self, engine: Sampler, prompts: Iterable[Prompt], groups: GroupMaker, *, every: int,
                  sampling: SamplingConfig | None = None, config: ProducerConfig | None = None,
-                 env: EnvFactory | None = None, concurrency: int = 256) -> None:
+                 concurrency: int = 256) -> None:
         if every < 0 or concurrency < 1:
             raise ValueError(f"Evaluator needs every >= 0 and concurrency >= 1, got {every} and {concurrency}")
-        if reward_fn is None and env is None:
-            raise ValueError("an Evaluator needs a reward_fn, an env whose steps give rewards, or both")
-        self.engine, self.reward_fn, self.env, self.every = engine, reward_fn, env, every
+        if not isinstance(groups, GroupMaker):
+            raise TypeError(f"an Evaluator needs a GroupMaker (e.g. asyncrl.RewardGroups(reward_fn)), got "
+                            f"{type(groups).__name__}")
+        self.engine, self.maker, self.every = engine, groups, every
         self.prompts = list(prompts)
         if not self.prompts:
             raise ValueError("an Evaluator needs at least one prompt")
@@ -105,9 +107,9 @@ class Evaluator:
         async with self._lock:
             self.rounds += 1
             # This evaluator's identity and round: two evaluators (or rounds) never share a request id.
-            sink, number = _Collector(), f"{id(self):x}-{self.rounds}"
+            sink, number, maker = _Collector(), f"{id(self):x}-{self.rounds}", self.maker.fork()
             producer = Producer(_Tagged(self.engine, f"{REQUEST_PREFIX}{number}-"), PromptSource(self.prompts),
-                                self.reward_fn, sink, self.config, name=f"evaluation {number}", env=self.env)
+                                maker, sink, self.config, name=f"evaluation {number}")
             version = self.engine.version
             t0 = time.perf_counter()
             try:
@@ -122,8 +124,7 @@ class Evaluator:
             out = {"eval/accuracy": mean, "eval/reward_mean": mean, "eval/samples": len(rewards),
                    "eval/dropped": sum(producer.counters.dropped.values()), "eval/version": version,
                    "eval/s": time.perf_counter() - t0}
-            if producer.episodes is not None:
-                out.update({f"eval/{k}": v for k, v in episode_metrics([producer.episodes.counters]).items()})
+            out.update({f"eval/{k}": v for k, v in maker.metrics().items()})
             return out
 
 
@@ -133,7 +134,7 @@ class _Collector:
     def __init__(self) -> None:
         self.groups: list[RolloutGroup] = []
 
-    async def send(self, group: RolloutGroup) -> bool:
+    async def send(self, group: RolloutGroup, *, ticket: int | None = None) -> bool:
         self.groups.append(group)
         return True
 

@@ -1,65 +1,51 @@
-"""The producer actor: prompts -> sampler -> scored, version-tagged rollout groups -> sink.
+"""The producer actor: prompts -> group maker -> scored, version-tagged rollout groups -> sink.
 
-Each producer keeps at most ``max_inflight_groups`` groups in flight. A group is sent to the sink (its own end
-of a local rollout queue, or a ``RemoteQueueClient``) only when all its samples are finished and scored;
-sending waits while the queue is full, which is how backpressure reaches generation. The producer never
-closes its sink: whoever gave it one closes it when the producer's task ends.
+Each producer keeps at most ``max_inflight_groups`` groups in flight. How a prompt becomes a scored group is its
+maker's (``asyncrl.groups.GroupMaker``: rewards, episodes, judged pairs, agent sessions); the producer owns what is
+the same for all of them: admission, the sink, its books and the drop policy. A group is sent to the sink (its own
+end of a local rollout queue, or a ``RemoteQueueClient``) only when it is whole and scored; sending waits while the
+queue is full, which is how backpressure reaches generation. The producer never closes its sink: whoever gave it
+one closes it when the producer's task ends.
 
-Abort pauses: samples cut by an ``abort`` pause finish with ``FinishReason.ABORT``. With
-``AbortPolicy.RESUBMIT`` (default) just those samples are sampled again (they wait in the engine until it
-resumes, so they come from the new weights); with ``AbortPolicy.DROP`` the group is dropped and counted.
-
-Episodes: a producer given ``env`` (an ``EnvFactory``) plays ``n`` multi-turn episodes per prompt through an
-``EpisodeRunner`` instead of sampling ``n`` completions. A rollout's reward is the sum of its environment's step
-rewards, plus ``reward_fn(prompt, trajectory)`` when one is given (``reward_fn=None``: the environment's alone).
-Whatever drops a group on the way (``RolloutDropped``: environment, tool, reward) is counted under its reason.
-
-Preferences: a producer given ``judge`` (an ``asyncrl.preference.JudgeScorer``) scores its groups with a pairwise
-judge instead of ``reward_fn``: each rollout's reward is its preference score, and the opponents' completions (if
-any) travel in ``RolloutGroup.opponents``.
-
-Agents: a producer given ``agents`` (an ``asyncrl.agents.AgentRunner``) hands each prompt, as a task, to ``n``
-black-box agents talking to the OpenAI-compatible endpoint; the runner builds the group from their sessions.
+Drops: a maker raises ``RolloutDropped`` for a group that cannot be trained; the producer counts it under its
+reason, fails the run for an invalid one under ``InvalidGroupPolicy.FAIL``, and stops with ``NoProgressError``
+after ``max_consecutive_drops`` in a row.
 
 Admission: before starting a group the producer waits on its ``admission`` (the pipeline's ``AdmissionGate``,
-shared by every producer: a group starts only if it can be trained within ``max_staleness``); a group that
-never reaches the sink withdraws its ticket. The default, ``OPEN``, starts groups at once.
+shared by every producer: a group starts only if it can be trained within ``max_staleness``); the ticket travels
+beside the group into the sink (the queue's own envelope, never on the message), and a group that never reaches
+the sink withdraws it. The default, ``OPEN``, starts groups at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from asyncrl.actors.rewards import RewardFn, RewardScorer
-from asyncrl.config import AbortPolicy, InvalidGroupPolicy, ProducerConfig
+from asyncrl.config import InvalidGroupPolicy, ProducerConfig
 from asyncrl.counters import Drops
 from asyncrl.data import PromptSource
-from asyncrl.engines.protocols import PromptRejected, Sampler
-from asyncrl.episodes.runner import EpisodeRunner, episode_metrics
-from asyncrl.episodes.types import EnvFactory
+from asyncrl.engines.protocols import Sampler
 from asyncrl.errors import InvalidGroupError, NoProgressError, QueueClosed, RolloutDropped
+from asyncrl.groups.maker import GroupMaker, GroupRequest, SamplingBooks
 from asyncrl.queues.admission import OPEN, Admission
-from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
-
-if TYPE_CHECKING:
-    from asyncrl.agents.runner import AgentRunner
-    from asyncrl.preference.scoring import JudgeScorer
+from asyncrl.types import DropReason, Prompt, RolloutGroup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GroupSink", "Producer", "ProducerCounters", "RewardFn"]
+__all__ = ["GroupSink", "Producer", "ProducerCounters"]
 
 
 @runtime_checkable
 class GroupSink(Protocol):
     """Where a producer ships finished groups: a ``RolloutSender`` or a ``RemoteQueueClient``."""
 
-    async def send(self, group: RolloutGroup) -> bool:
+    async def send(self, group: RolloutGroup, *, ticket: int | None = None) -> bool:
         """Store ``group``, waiting while the sink is full. False if its id was already stored. Raises
-        ``QueueClosed`` once the receiving side is closed."""
+        ``QueueClosed`` once the receiving side is closed. ``ticket``: its place in start order from the
+        pipeline's admission gate (None: not gated); a sink without a gate ignores it."""
         ...
 
     async def aclose(self) -> None:
@@ -76,35 +62,25 @@ class ProducerCounters:
     groups: int = 0  # groups sent to the sink
     samples: int = 0  # samples in those groups
     tokens: int = 0  # completion tokens in those groups
-    resubmitted: int = 0  # abort-cut samples sampled again
+    sampling: SamplingBooks = field(default_factory=SamplingBooks)  # what its makers' sampling did for it
     duplicates: int = 0  # sends the sink reported as already stored
     dropped: Drops = field(default_factory=Drops)  # groups dropped before reaching the sink, by reason
     drops_in_a_row: int = 0  # groups dropped as invalid since the last one sent
 
 
 class Producer:
-    """Samples a group per prompt (or plays ``n`` episodes in ``env``), scores it with ``reward_fn`` (sync or
-    async) and ships it to ``sink``."""
+    """Makes a group per prompt with ``groups`` (sampling from ``sampler``) and ships it to ``sink``."""
 
-    def __init__(self, sampler: Sampler, prompts: PromptSource, reward_fn: RewardFn | None, sink: GroupSink,
-                 config: ProducerConfig | None = None, name: str = "producer", *,
-                 env: EnvFactory | None = None, admission: Admission = OPEN, judge: JudgeScorer | None = None,
-                 agents: AgentRunner | None = None) -> None:
-        if judge is not None and (reward_fn is not None or env is not None):
-            raise ValueError("a producer scores with a judge or with rewards (reward_fn, env), not both")
-        if agents is not None and (reward_fn is not None or env is not None or judge is not None):
-            raise ValueError("a producer given agents leaves rewards to its AgentRunner: no reward_fn, env or judge")
-        if reward_fn is None and env is None and judge is None and agents is None:
-            raise ValueError("a producer needs a reward_fn, an env whose steps give rewards, both, a judge, or "
-                             "agents")
+    def __init__(self, sampler: Sampler, prompts: PromptSource, groups: GroupMaker, sink: GroupSink,
+                 config: ProducerConfig | None = None, name: str = "producer", *, admission: Admission = OPEN) -> None:
+        if not isinstance(groups, GroupMaker):  # the role's shape, checked once: a reward function is not a maker
+            raise TypeError(f"{name}: groups must be a GroupMaker (e.g. asyncrl.RewardGroups(reward_fn)), got "
+                            f"{type(groups).__name__}")
         self.sampler = sampler
         self.prompts = prompts
+        self.groups = groups
         self.sink = sink
         self.config = config or ProducerConfig()
-        self.scorer = RewardScorer(reward_fn, self.config) if reward_fn is not None else None
-        self.episodes = EpisodeRunner(sampler, env, self.config) if env is not None else None
-        self.judge = judge
-        self.agents = agents
         self.name = name
         self.admission = admission  # asked before each group starts (run() only; produce_one is ungated)
         self.counters = ProducerCounters()
@@ -147,14 +123,15 @@ class Producer:
             self.in_flight -= 1
 
     async def produce_one(self, index: int, prompt: Prompt, ticket: int | None = None) -> RolloutGroup | None:
-        """Generate, score and ship the group for one prompt (with its admission ``ticket``); None if it was
-        dropped (and counted)."""
-        group_id = f"{prompt.prompt_id}#{index}"
+        """Make, score and ship the group for one prompt (with its admission ``ticket``); None if it was dropped
+        (and counted)."""
+        request = GroupRequest(f"{prompt.prompt_id}#{index}", prompt, self.sampler, self.config,
+                               self.counters.sampling)
         try:
-            group = await self._build_group(group_id, prompt)
+            group = await self.groups.make(request)
         except RolloutDropped as drop:
-            return self._drop(group_id, drop)
-        stored = await self.sink.send(group if ticket is None else replace(group, ticket=ticket))
+            return self._drop(request.group_id, drop)
+        stored = await self.sink.send(group, ticket=ticket)
         c = self.counters
         c.groups += 1
         c.samples += len(group.rollouts)
@@ -164,8 +141,7 @@ class Producer:
         return group
 
     def _drop(self, group_id: str, drop: RolloutDropped) -> None:
-        expected = drop.reason in (DropReason.ABORTED, DropReason.PREFERENCE_TIE)  # outcomes, not invalid input
-        if self.config.on_invalid is InvalidGroupPolicy.FAIL and not expected:
+        if self.config.on_invalid is InvalidGroupPolicy.FAIL and not drop.reason.is_outcome:
             raise InvalidGroupError(f"{self.name}: group {group_id} invalid ({drop.reason.value}): {drop}")
         log.log(logging.DEBUG if drop.reason is DropReason.PREFERENCE_TIE else logging.WARNING,
                 "%s: dropping group %s (%s): %s", self.name, group_id, drop.reason.value, drop)
@@ -178,78 +154,8 @@ class Producer:
                 f"{self.counters.dropped.describe()} (ProducerConfig.max_consecutive_drops)")
         return None
 
-    async def _build_group(self, group_id: str, prompt: Prompt) -> RolloutGroup:
-        if self.agents is not None:  # its prompt is a task for the agents: they write what the engine sees
-            return await self.agents.build_group(group_id, prompt, self.config.sampling.n)
-        self._check_prompt(prompt)
-        if self.episodes is not None:
-            return await self._build_episodes(group_id, prompt)
-        samples = await self._sample_all(group_id, prompt)
-        opponents: tuple[Sample, ...] = ()
-        if self.judge is not None:
-            rewards, opponents = await self.judge.score(group_id, prompt, samples)  # RewardRejected: a drop
-        else:
-            rewards = await self.scorer.score(prompt, samples)  # type: ignore[union-attr]
-        rollouts = tuple(Rollout(s, r) for s, r in zip(samples, rewards))
-        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts, opponents=opponents)
-
-    async def _build_episodes(self, group_id: str, prompt: Prompt) -> RolloutGroup:
-        assert self.episodes is not None
-        try:
-            episodes = await self.episodes.run_group(group_id, prompt)
-        except PromptRejected as exc:
-            raise RolloutDropped(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR,
-                                 str(exc)) from exc
-        trajectories = [e.trajectory for e in episodes]
-        rewards = [e.env_reward for e in episodes]
-        if self.scorer is not None:  # a reward over the whole trajectory, added to the environment's
-            rewards = [a + b for a, b in zip(rewards, await self.scorer.score(prompt, trajectories))]
-        rollouts = tuple(Rollout(t, r) for t, r in zip(trajectories, rewards))
-        return RolloutGroup(group_id=group_id, prompt=prompt, rollouts=rollouts)
-
-    def _check_prompt(self, prompt: Prompt) -> None:
-        if not prompt.token_ids:
-            raise RolloutDropped(DropReason.EMPTY_PROMPT, f"prompt {prompt.prompt_id!r} has no tokens")
-        if len(prompt.token_ids) >= self.sampler.max_model_len:
-            raise RolloutDropped(DropReason.PROMPT_TOO_LONG, f"prompt {prompt.prompt_id!r} has "
-                                                             f"{len(prompt.token_ids)} tokens; the engine's context "
-                                                             f"is {self.sampler.max_model_len}")
-        vocab = self.sampler.vocab_size
-        if min(prompt.token_ids) < 0 or max(prompt.token_ids) >= vocab:
-            raise RolloutDropped(DropReason.OUT_OF_VOCABULARY, f"prompt {prompt.prompt_id!r} holds a token id outside "
-                                                               f"the vocabulary of {self.sampler.name} (ids 0 to "
-                                                               f"{vocab - 1})")
-
-    async def _sample_all(self, group_id: str, prompt: Prompt) -> list[Sample]:
-        params = self.config.sampling
-        try:
-            samples = await self.sampler.generate(prompt.token_ids, params, request_id=group_id)
-            for attempt in range(1, self.config.max_resubmits + 2):
-                cut = [i for i, s in enumerate(samples) if s.finish_reason is FinishReason.ABORT]
-                if not cut:
-                    return samples
-                if self.config.on_abort is AbortPolicy.DROP or attempt > self.config.max_resubmits:
-                    raise RolloutDropped(DropReason.ABORTED,
-                                         f"{len(cut)} of {len(samples)} samples cut by an abort pause")
-                self.counters.resubmitted += len(cut)
-                again = await self.sampler.generate(prompt.token_ids, params, request_id=f"{group_id}/r{attempt}",
-                                                    n=len(cut))
-                for i, s in zip(cut, again):
-                    samples[i] = s
-        except PromptRejected as exc:
-            raise RolloutDropped(DropReason.PROMPT_TOO_LONG if exc.too_long else DropReason.ENGINE_ERROR,
-                                 str(exc)) from exc
-        raise AssertionError("unreachable")
-
     def metrics(self) -> dict[str, float]:
+        """The producer's own gauges (its maker's are the pipeline's to add, once for all producers sharing it)."""
         c = self.counters
-        out = {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
-               "producer/resubmitted": c.resubmitted, "producer/in_flight": self.in_flight,
-               "producer/reward_overrunning": self.scorer.overrunning if self.scorer is not None else 0}
-        if self.judge is not None:
-            out.update(self.judge.metrics())
-        if self.episodes is not None:
-            out.update(episode_metrics([self.episodes.counters]))
-        if self.agents is not None:
-            out.update(self.agents.metrics())
-        return out
+        return {"producer/groups": c.groups, "producer/samples": c.samples, "producer/tokens": c.tokens,
+                "producer/resubmitted": c.sampling.resubmitted, "producer/in_flight": self.in_flight}

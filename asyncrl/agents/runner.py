@@ -25,13 +25,14 @@ from typing import Annotated, Any
 import anyio
 from pydantic import Field
 
-from asyncrl.actors.rewards import RewardRejected, RewardScorer, is_async_callable
 from asyncrl.agents.endpoint import AgentEndpoint
 from asyncrl.agents.sessions import Session
 from asyncrl.aio import together
 from asyncrl.config import ProducerConfig
 from asyncrl.config_base import Seconds, config
 from asyncrl.errors import RolloutDropped
+from asyncrl.groups.maker import GroupMaker, GroupRequest
+from asyncrl.groups.scoring import RewardRejected, RewardScorer, is_async_callable
 from asyncrl.types import DropReason, Prompt, Rollout, RolloutGroup, Trajectory, VersionSpan
 
 AgentFn = Callable[[str, str, str], "Awaitable[Any] | Any"]
@@ -57,29 +58,39 @@ class AgentCounters:
     extensions: int = 0
 
 
-class AgentRunner:
-    """Plays agents for a ``Producer`` (``Producer(..., agents=runner)``) or on its own (``build_group``)."""
+class AgentRunner(GroupMaker):
+    """The agents' group maker: a producer's prompt is a task for ``n`` agents (``grpo_pipeline(engine, model,
+    prompts, runner)``); or played on its own (``build_group``). The agents talk to the endpoint, not to the
+    request's sampler: the endpoint's engine is what they sample from."""
 
     def __init__(self, endpoint: AgentEndpoint, agent: AgentFn, reward_fn: AgentRewardFn | None = None,
-                 config: AgentConfig | None = None, producer: ProducerConfig | None = None) -> None:
+                 config: AgentConfig | None = None) -> None:
         self.endpoint = endpoint
         self.agent = agent
+        self.reward_fn = reward_fn
         self.config = config or AgentConfig()
-        self.producer = producer or ProducerConfig()
-        self.scorer = RewardScorer(reward_fn, self.producer) if reward_fn is not None else None
+        self.scorer = RewardScorer(reward_fn) if reward_fn is not None else None
         self.counters = AgentCounters()
 
-    async def build_group(self, group_id: str, prompt: Prompt, n: int | None = None) -> RolloutGroup:
-        """``n`` (default ``SamplingConfig.n``) episodes of ``prompt``'s task as one group; raises
-        ``RolloutDropped`` naming why it cannot be trained."""
-        n = self.producer.sampling.n if n is None else n
+    async def make(self, request: GroupRequest) -> RolloutGroup:
+        return await self.build_group(request.group_id, request.prompt, config=request.config)
+
+    def fork(self) -> AgentRunner:
+        return AgentRunner(self.endpoint, self.agent, self.reward_fn, self.config)
+
+    async def build_group(self, group_id: str, prompt: Prompt, n: int | None = None, *,
+                          config: ProducerConfig | None = None) -> RolloutGroup:
+        """``n`` (default ``config.sampling.n``) episodes of ``prompt``'s task as one group, under ``config``'s
+        reward limits (default ``ProducerConfig()``); raises ``RolloutDropped`` naming why it cannot be trained."""
+        config = config or ProducerConfig()
+        n = config.sampling.n if n is None else n
         keys = [f"e{uuid.uuid4().hex[:16]}" for _ in range(n)]
         urls = [self.endpoint.open_session(k) for k in keys]
         try:
             results = await self._play(urls, prompt)
         finally:
             sessions = [self.endpoint.close_session(k) for k in keys]
-        rewards = await self._rewards(prompt, results, sessions)
+        rewards = await self._rewards(prompt, results, sessions, config)
         return self._group(group_id, prompt, sessions, rewards)
 
     async def _play(self, urls: Sequence[str], prompt: Prompt) -> list[Any]:
@@ -105,9 +116,10 @@ class AgentRunner:
         # so the thread's next call gets a 404 and it ends.
         return await anyio.to_thread.run_sync(self.agent, url, token, task, abandon_on_cancel=True)
 
-    async def _rewards(self, prompt: Prompt, results: Sequence[Any], sessions: Sequence[Session]) -> list[float]:
+    async def _rewards(self, prompt: Prompt, results: Sequence[Any], sessions: Sequence[Session],
+                       config: ProducerConfig) -> list[float]:
         if self.scorer is not None:
-            rewards = await self.scorer.run_calls([(prompt, r) for r in results])
+            rewards = await self.scorer.run_calls([(prompt, r) for r in results], config)
         else:
             rewards = [s.reward for s in sessions]
             if any(r is None for r in rewards):

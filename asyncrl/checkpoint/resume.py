@@ -4,7 +4,7 @@ the actors.
 Typical use (a fresh run and a resumed one are the same code)::
 
     async with Checkpointer(CheckpointConfig(dir="runs/x/ckpt", every_steps=50)) as ckpt:
-        pipe, state = await resume_pipeline(engine, model, items, reward_fn, config,
+        pipe, state = await resume_pipeline(engine, model, items, RewardGroups(reward_fn), config,
                                             checkpoint=latest("runs/x/ckpt"), checkpointer=ckpt)
         await pipe.run(steps)
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from asyncrl.actors.learner import Learner, StepHook
-from asyncrl.actors.rewards import RewardFn
+from asyncrl.groups.maker import GroupMaker
 from asyncrl.checkpoint.store import Checkpoint, Checkpointer, ResumeState, TrainingState, restore, verify
 from asyncrl.config import PipelineConfig
 from asyncrl.counters import GroupTotals
@@ -75,7 +75,7 @@ def checkpoint_hook(checkpointer: Checkpointer, learner: Learner, source: Prompt
 
 async def resume_pipeline(engine: Engine, model: torch.nn.Module,
                           items: Iterable[Prompt] | AsyncIterable[Prompt] | PromptSource,
-                          reward_fn: RewardFn, config: PipelineConfig | None = None, *,
+                          groups: GroupMaker, config: PipelineConfig | None = None, *,
                           checkpoint: Checkpoint | str | Path | None, checkpointer: Checkpointer | None = None,
                           **kwargs: Any) -> tuple[Pipeline, ResumeState | None]:
     """A ``grpo_pipeline`` continuing from ``checkpoint`` (None: a fresh run), ready to ``run()``.
@@ -85,7 +85,7 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module,
     and optimiser state are restored into ``model`` and the pipeline's optimiser, the group
     accounting continues, and the restored weights are published to ``engine`` under the checkpoint's version
     (the next one if they were saved between publications). With ``checkpointer``, the pipeline checkpoints
-    itself every ``every_steps`` steps. ``kwargs`` go to ``grpo_pipeline``.
+    itself every ``every_steps`` steps. ``groups`` and ``kwargs`` go to ``grpo_pipeline``.
     """
     ckpt = verify(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
     meta = ckpt.meta if ckpt else {"cursor": 0, "step": 0}
@@ -94,7 +94,7 @@ async def resume_pipeline(engine: Engine, model: torch.nn.Module,
         source.seek(meta["cursor"])
     else:
         source = PromptSource(items, start=meta["cursor"])
-    pipe = grpo_pipeline(engine, model, source, reward_fn, config, step=meta["step"], **kwargs)
+    pipe = grpo_pipeline(engine, model, source, groups, config, step=meta["step"], **kwargs)
     state = None
     if ckpt is not None:
         state = restore(ckpt, pipe.learner.model, pipe.learner.optimizer)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from asyncrl.actors.rewards import RewardFn
+from asyncrl.groups.maker import GroupMaker
 from asyncrl.config import PipelineConfig
 from asyncrl.distributed.fsdp import FSDPBackend
 from asyncrl.distributed.ranks import RankConfig, RankContext, close_ranks, init_ranks
@@ -37,12 +37,12 @@ STOP_WAIT_S = 60.0  # a step in progress (up to STOP_TIMEOUT_S) plus the stop it
 
 
 def sharded_pipeline(engine: Engine, backend: FSDPBackend, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
-                     PromptSource, reward_fn: RewardFn, config: PipelineConfig | None = None, *,
+                     PromptSource, groups: GroupMaker, config: PipelineConfig | None = None, *,
                      target: WeightTarget | None = None, monitor: Monitor | None = None, step: int = 0,
                      close_engine: bool = True) -> Pipeline:
     """Rank 0: a ``Pipeline`` whose learner trains through ``backend`` (its loss, model and optimiser) on groups
-    sampled from ``engine``, publishing through ``target`` (default: ``engine``)."""
-    return grpo_pipeline(engine, None, prompts, reward_fn, config, backend=backend, target=target,
+    ``groups`` makes from ``engine``'s samples, publishing through ``target`` (default: ``engine``)."""
+    return grpo_pipeline(engine, None, prompts, groups, config, backend=backend, target=target,
                          monitor=monitor, step=step, close_engine=close_engine)
 
 

@@ -39,7 +39,7 @@ from asyncrl.types import DropReason, FinishReason, Prompt, Sample
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpisodeCounters", "EpisodeMetricsHook", "EpisodeRunner", "episode_metrics"]
+__all__ = ["EpisodeCounters", "EpisodeRunner", "episode_metrics"]
 
 
 RECENT_EPISODES = 256  # episodes the ``episode/*`` means are taken over
@@ -88,17 +88,6 @@ def episode_metrics(counters: Sequence[EpisodeCounters]) -> dict[str, float]:
         "episode/env_s_mean": sum(r[3] for r in recent) * per,
         "episode/truncated_frac": sum(r[4] for r in recent) * per,
     }
-
-
-class EpisodeMetricsHook:
-    """A learner hook adding ``episode_metrics`` of the given runners to every step's metrics (the
-    ``Pipeline`` installs it when a producer plays episodes)."""
-
-    def __init__(self, counters: Sequence[EpisodeCounters]) -> None:
-        self.counters = list(counters)
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        metrics.update(episode_metrics(self.counters))
 
 
 @dataclass(slots=True)

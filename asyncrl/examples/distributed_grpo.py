@@ -173,10 +173,11 @@ async def train(args: argparse.Namespace, backend: Any, pool: Any, hooks: list[A
     from asyncrl.checkpoint.store import restored_counters
     from asyncrl.data import PromptSource
     from asyncrl.distributed import read_meta, sharded_pipeline
+    from asyncrl.groups import RewardGroups
 
     meta = read_meta(args.resume) if args.resume else {"step": 0, "cursor": 0}
     source = PromptSource(prompts(args), start=meta["cursor"])
-    pipe = sharded_pipeline(pool, backend, source, reward_fn(args), pipeline_config(args),
+    pipe = sharded_pipeline(pool, backend, source, RewardGroups(reward_fn(args)), pipeline_config(args),
                             step=meta["step"])
     learner = pipe.learner
     if args.resume:

@@ -39,7 +39,7 @@ import torch
 from aiohttp import web
 
 import asyncrl
-from asyncrl import ProducerConfig, Prompt, PromptSource, SamplingConfig
+from asyncrl import ProducerConfig, Prompt, PromptSource, RewardGroups, SamplingConfig
 from asyncrl.actors.producer import Producer
 from asyncrl.aio import first_cause
 from asyncrl.engines.embedded import EngineControl
@@ -104,7 +104,7 @@ async def produce(r: Rollouts, engine: VLLMEngine, args: argparse.Namespace, tok
     # the learner has said "queue closed" the client stops retrying, so patience costs nothing at the end.
     async with RemoteQueueClient(args.ingest_url, token, max_retries=30, max_backoff_s=2.0) as sink:
         r.producer = Producer(engine, PromptSource(prompts(tokenizer, args.seed)),
-                              lambda prompt, sample: arithmetic.reward(sample.text, prompt.answer), sink,
+                              RewardGroups(lambda prompt, sample: arithmetic.reward(sample.text, prompt.answer)), sink,
                               ProducerConfig(sampling=sampling, max_inflight_groups=args.inflight))
         r.state = "producing"
         await r.producer.run()  # returns when the learner closes its queue

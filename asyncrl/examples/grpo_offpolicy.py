@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data import encode_prompt
+from asyncrl.groups import RewardGroups
 from asyncrl.examples import common, sft, tracking
 
 log = logging.getLogger("asyncrl.examples.grpo_offpolicy")
@@ -264,7 +265,7 @@ async def build_pipeline(args: argparse.Namespace, config: Any, engine: Any, tas
     (``tracking.build_pipeline``); the engine outlives the pipeline."""
     return await tracking.build_pipeline(
         engine, load_policy(model_dir, lora=lora_config(args)), common.rl_prompts(task, tok, args.seed),
-        common.prompt_reward(task), config, checkpoint=checkpoint, checkpointer=checkpointer,
+        RewardGroups(common.prompt_reward(task)), config, checkpoint=checkpoint, checkpointer=checkpointer,
         loss_config=loss_config(args), pad_id=_pad_id(tok), ref_model=reference(args, model_dir), monitor=monitor,
         close_engine=False,  # closed in main(), after the final evaluation
     )

@@ -219,13 +219,12 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
     from asyncrl.recipes import grpo_pipeline
 
     config = pipeline_config(args)
-    runner = AgentRunner(endpoint, agent, reward_fn=lambda p, result: task.reward(result, p.answer),
-                         producer=config.producer)
+    runner = AgentRunner(endpoint, agent, reward_fn=lambda p, result: task.reward(result, p.answer))
     prompts = PromptSource(Prompt(f"train-{i}", (), ex.prompt, ex.answer)
                            for i, ex in tool_use._endless(task.train, args.seed))
     policy = AutoModelForCausalLM.from_pretrained(str(endpoint.renderer.tokenizer.name_or_path), dtype=torch.float32)
-    pipeline = grpo_pipeline(engine, policy, prompts, None, config, pad_id=tok.pad_token_id, monitor=monitor,
-                             close_engine=False, agents=runner)
+    pipeline = grpo_pipeline(engine, policy, prompts, runner, config, pad_id=tok.pad_token_id, monitor=monitor,
+                             close_engine=False)
     before = await evals.evaluate()
     print(f"before RL: held-out greedy accuracy {before['accuracy']:.1%}, tool-call rate {before['tool_rate']:.1%}",
           flush=True)

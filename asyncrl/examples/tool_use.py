@@ -142,11 +142,11 @@ class EvalHook:
     training; the tool-call rate is the share of those episodes that called the calculator."""
 
     def __init__(self, engine: Any, tok: Any, task: common.Task, producer_config: Any, every: int) -> None:
-        from asyncrl import Evaluator
+        from asyncrl import EpisodeGroups, Evaluator
 
         prompts = [_prompt(tok, ex, f"held-out-{i}") for i, ex in enumerate(task.held_out)]
-        self.evaluator = Evaluator(engine, prompts, None, every=every, config=producer_config,
-                                   env=CalculatorProtocol(tok).env_factory(task.reward))
+        episodes = EpisodeGroups(CalculatorProtocol(tok).env_factory(task.reward))
+        self.evaluator = Evaluator(engine, prompts, episodes, every=every, config=producer_config)
 
     @property
     def seconds(self) -> float:
@@ -235,14 +235,14 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
 
 async def _build_pipeline(args: argparse.Namespace, engine: Any, tok: Any, task: common.Task, model_dir: Path,
                           config: Any, monitor: Any, checkpoint: Any, checkpointer: Any) -> Any:
-    from asyncrl import PromptSource
+    from asyncrl import EpisodeGroups, PromptSource
     from asyncrl.algorithms.losses import LossConfig
 
     prompts = PromptSource(_prompt(tok, ex, f"train-{i}") for i, ex in _endless(task.train, args.seed))
-    return await tracking.build_pipeline(engine, _load_policy(model_dir), prompts, None, config,
+    episodes = EpisodeGroups(CalculatorProtocol(tok).env_factory(task.reward))
+    return await tracking.build_pipeline(engine, _load_policy(model_dir), prompts, episodes, config,
                                          checkpoint=checkpoint, checkpointer=checkpointer, loss_config=LossConfig(),
-                                         pad_id=tok.pad_token_id, monitor=monitor, close_engine=False,
-                                         env=CalculatorProtocol(tok).env_factory(task.reward))
+                                         pad_id=tok.pad_token_id, monitor=monitor, close_engine=False)
 
 
 async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.Task, config: Any, pipeline: Any,

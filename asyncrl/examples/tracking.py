@@ -33,10 +33,10 @@ async def engine_greedy_accuracy(engine: Any, tok: Any, problems: Sequence[Examp
                                  max_tokens: int, batch: str = "eval") -> float:
     """Held-out accuracy with greedy decoding on ``engine``'s current weights, beside any training requests
     (nothing is paused). ``batch`` is kept for callers; request ids are unique per evaluation anyway."""
-    from asyncrl import Evaluator, SamplingConfig
+    from asyncrl import Evaluator, RewardGroups, SamplingConfig
     from asyncrl.actors.evaluation import greedy
 
-    evaluator = Evaluator(engine, held_out_prompts(tok, problems), text_reward(reward), every=0,
+    evaluator = Evaluator(engine, held_out_prompts(tok, problems), RewardGroups(text_reward(reward)), every=0,
                           sampling=greedy(SamplingConfig(max_tokens=max_tokens)))
     return (await evaluator.evaluate())["eval/accuracy"]
 
@@ -51,11 +51,12 @@ class EvalHook:
     """
 
     def __init__(self, engine: Any, tok: Any, task: Task, max_tokens: int, every: int) -> None:
-        from asyncrl import Evaluator, SamplingConfig
+        from asyncrl import Evaluator, RewardGroups, SamplingConfig
         from asyncrl.actors.evaluation import greedy
 
-        self.evaluator = Evaluator(engine, held_out_prompts(tok, task.held_out), text_reward(task.reward),
-                                   every=every, sampling=greedy(SamplingConfig(max_tokens=max_tokens)))
+        held_out = held_out_prompts(tok, task.held_out)
+        self.evaluator = Evaluator(engine, held_out, RewardGroups(text_reward(task.reward)), every=every,
+                                   sampling=greedy(SamplingConfig(max_tokens=max_tokens)))
         self.points: list[tuple[int, float, float]] = []
         self.t0 = time.perf_counter()
 
@@ -165,7 +166,7 @@ def resume_point(args: argparse.Namespace) -> Any:
     return found
 
 
-async def build_pipeline(engine: Any, model: Any, source: Any, reward_fn: Any, config: Any, *, checkpoint: Any,
+async def build_pipeline(engine: Any, model: Any, source: Any, groups: Any, config: Any, *, checkpoint: Any,
                          checkpointer: Any, **kwargs: Any) -> Any:
     """``grpo_pipeline`` on ``source`` (a fresh ``PromptSource``), or, given ``checkpoint``, the pipeline continued
     from it (``asyncrl.checkpoint.resume_pipeline``): the step count, the prompt cursor, the weights
@@ -177,12 +178,12 @@ async def build_pipeline(engine: Any, model: Any, source: Any, reward_fn: Any, c
     from asyncrl.recipes import grpo_pipeline
 
     if checkpoint is None:
-        pipeline = grpo_pipeline(engine, model, source, reward_fn, config, **kwargs)
+        pipeline = grpo_pipeline(engine, model, source, groups, config, **kwargs)
         if checkpointer is not None:
             pipeline.learner.hooks.append(checkpoint_hook(checkpointer, pipeline.learner, source))
         return pipeline
     # resume_pipeline positions the fresh source at the checkpoint's cursor (its epochs and seed kept).
-    pipeline, _ = await resume_pipeline(engine, model, source, reward_fn, config, checkpoint=checkpoint,
+    pipeline, _ = await resume_pipeline(engine, model, source, groups, config, checkpoint=checkpoint,
                                         checkpointer=checkpointer, **kwargs)
     print(f"resumed from {checkpoint.path}: step {checkpoint.step}, prompt cursor {checkpoint.meta['cursor']}, "
           f"weights published as version {pipeline.learner.version}", flush=True)

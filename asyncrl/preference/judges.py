@@ -2,7 +2,7 @@
 
 A judge is any callable ``judge(prompt, a, b)``, synchronous or ``async``, returning the probability that ``a``
 is preferred to ``b``: 1.0 (``a`` wins), 0.0 (``b`` wins), 0.5 (a tie), or anything between; ``True``/``False``
-count as 1.0/0.0. It runs exactly as a reward function does (``asyncrl.actors.rewards``): a synchronous judge in
+count as 1.0/0.0. It runs exactly as a reward function does (``asyncrl.groups.scoring``): a synchronous judge in
 worker threads under ``ProducerConfig.reward_threads``, an async one on the loop, every group's comparisons
 bounded by ``reward_timeout_s``; a judge that raises, times out or returns something else drops its group under
 ``judge_error``, ``judge_timeout`` or ``judge_invalid``.
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from asyncrl.actors.rewards import RewardFn
+from asyncrl.groups.scoring import RewardFn
 from asyncrl.errors import ConfigError
 from asyncrl.http.client import JSONClient
 from asyncrl.types import Prompt, Sample

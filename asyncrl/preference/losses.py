@@ -1,13 +1,13 @@
 """Online preference losses: Online DPO (sigmoid or IPO), XPO, and Nash-MD.
 
-Each implements ``asyncrl.algorithms.losses.Loss`` over the groups a ``JudgeScorer`` produced, whose rollout
+Each implements ``asyncrl.algorithms.losses.Loss`` over the groups a ``JudgedGroups`` produced, whose rollout
 rewards are preference scores in [0, 1]:
 
 - **Online DPO** pairs the group's best completion (chosen) with its worst (rejected); with
   ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))`` (sequence log-probs), the sigmoid loss is
   ``-log sigmoid(beta h)`` and IPO's is ``(h - 1 / (2 beta))^2``.
-- **XPO** judges each completion against one sampled by the reference (``RolloutGroup.opponents``): the winner
-  is chosen, the loser rejected, under the same DPO loss, plus the exploration term ``alpha log pi(y_ref)``,
+- **XPO** judges each completion against one sampled by the reference (``RolloutGroup.companions["opponents"]``):
+  the winner is chosen, the loser rejected, under the same DPO loss, plus the exploration term ``alpha log pi(y_ref)``,
   which lowers the policy's probability of the reference's own completions.
 - **Nash-MD** judges each completion ``y`` against one sampled from the geometric mixture of policy and
   reference (``asyncrl.preference.mixture``), with ``p`` the probability that ``y`` won:
@@ -36,6 +36,7 @@ from asyncrl.algorithms.losses import Loss, LossOutput, masked_mean
 from asyncrl.algorithms.reference import Reference, reference_logprobs
 from asyncrl.config import ConfigError, SamplingConfig
 from asyncrl.config_base import Flag, NonNegativeFloat, PositiveFloat, config
+from asyncrl.preference.groups import OPPONENTS
 from asyncrl.types import RolloutGroup, Sample
 
 __all__ = ["NashMDLoss", "OnlineDPOLoss", "PairSelection", "PreferenceConfig", "PreferenceLossType", "XPOLoss",
@@ -163,7 +164,7 @@ class _PreferenceLoss(Loss):
 
 
 class OnlineDPOLoss(_PreferenceLoss):
-    """Online DPO / IPO on each group's best and worst completion (``JudgeScorer`` without an opponent)."""
+    """Online DPO / IPO on each group's best and worst completion (``JudgedGroups`` without an opponent)."""
 
     min_group_size = 2  # a pair
 
@@ -191,7 +192,7 @@ class OnlineDPOLoss(_PreferenceLoss):
 
 
 class XPOLoss(_PreferenceLoss):
-    """XPO: DPO between each completion and the reference's (``RolloutGroup.opponents``), oriented by the
+    """XPO: DPO between each completion and the reference's (``RolloutGroup.companions["opponents"]``), oriented by the
     judge, plus ``alpha * log pi(y_ref)``. Tied pairs add only the exploration term."""
 
     min_group_size = 1
@@ -199,10 +200,12 @@ class XPOLoss(_PreferenceLoss):
     def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
         samples, prompts, pairs, decisive, opponent_at = [], [], [], [], []
         for g in _non_empty(groups):
-            if len(g.opponents) != len(g.rollouts):
+            opponents = g.companions.get(OPPONENTS, ())
+            if len(opponents) != len(g.rollouts):
                 raise ValueError(f"group {g.group_id}: XPO needs one reference completion per rollout "
-                                 f"(RolloutGroup.opponents), got {len(g.opponents)} for {len(g.rollouts)}")
-            for r, o in zip(g.rollouts, g.opponents):
+                                 f"(RolloutGroup.companions[{OPPONENTS!r}]), got {len(opponents)} for "
+                                 f"{len(g.rollouts)}")
+            for r, o in zip(g.rollouts, opponents):
                 mine, theirs = len(samples), len(samples) + 1
                 samples += [r.sample, o]
                 prompts += [g.prompt.token_ids] * 2

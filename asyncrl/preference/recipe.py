@@ -32,7 +32,7 @@ from asyncrl.pipeline import Pipeline
 from asyncrl.preference.judges import JudgeFn
 from asyncrl.preference.losses import NashMDLoss, OnlineDPOLoss, PreferenceConfig, XPOLoss
 from asyncrl.preference.mixture import MixtureSampler
-from asyncrl.preference.scoring import JudgeScorer
+from asyncrl.preference.groups import JudgedGroups
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.types import Prompt
 
@@ -63,9 +63,9 @@ def preference_pipeline(engine: Engine, model: torch.nn.Module, prompts: Iterabl
     _check_opponent(trainer, opponent)
     loss = LOSSES[trainer](preference or PreferenceConfig(), ref_model, sampling=config.producer.sampling,
                            pad_id=pad_id)
-    scorer = JudgeScorer(judge, config.producer, opponent=opponent, keep_opponents=trainer is Trainer.XPO)
-    pipe = grpo_pipeline(engine, model, prompts, None, config, loss=loss, judge=scorer, optimizer=optimizer,
-                         monitor=monitor, step=step, close_engine=close_engine)
+    groups = JudgedGroups(judge, opponent=opponent, keep_opponents=trainer is Trainer.XPO)
+    pipe = grpo_pipeline(engine, model, prompts, groups, config, loss=loss, optimizer=optimizer, monitor=monitor,
+                         step=step, close_engine=close_engine)
     if isinstance(opponent, MixtureSampler):  # declared by its type: the mixture follows the policy it mixes
         pipe.learner.hooks.append(opponent.follow(pipe.learner))
     return pipe

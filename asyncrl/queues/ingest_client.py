@@ -93,8 +93,11 @@ class RemoteQueueClient:
         """The server has answered "queue closed": every ``send`` now raises ``RemoteQueueClosed``."""
         return self._queue_closed
 
-    async def send(self, group: RolloutGroup) -> bool:
-        """Send one group; True if stored, False if its id was already stored."""
+    async def send(self, group: RolloutGroup, *, ticket: int | None = None) -> bool:
+        """Send one group; True if stored, False if its id was already stored. A remote queue admits no
+        producer of another process, so an admission ``ticket`` means nothing here and must be None."""
+        if ticket is not None:
+            raise ValueError("a RemoteQueueClient takes no admission ticket: a remote producer is not gated")
         return (await self.send_many([group]))[0]
 
     async def send_many(self, groups: Sequence[RolloutGroup]) -> list[bool]:

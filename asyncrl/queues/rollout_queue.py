@@ -14,7 +14,8 @@ clock's ``policy`` version is dropped, counted, and never reaches the loss. The 
 version change from the ``VersionClock`` and drops queued groups that just became too stale, so their room
 goes back to the producers at once.
 
-With an ``AdmissionGate`` (``asyncrl.queues.admission``) groups carry admission tickets, and the learner gets
+With an ``AdmissionGate`` (``asyncrl.queues.admission``) groups are sent with admission tickets (kept in the queue's
+own envelope, ``_Queued``, never on the message), and the learner gets
 them in ticket (start) order: a group that finished before an earlier-started one is held until that one arrives
 or is withdrawn. Held groups are bounded by the gate (its window and ``limit``), not by ``capacity``, and a ticketed
 send never waits. Groups without a ticket (remote producers, synchronous mode) are released on arrival.
@@ -104,17 +105,25 @@ class _Waiters:
                     future.set_result(None)
 
 
+class _Queued(NamedTuple):
+    """A group in the queue, in its envelope."""
+
+    arrived: float  # time.monotonic() when it was accepted
+    group: RolloutGroup
+    ticket: int | None  # its admission ticket (None: not gated)
+
+
 class _State:
     """What both ends share."""
 
     def __init__(self, config: QueueConfig, clock: VersionClock, gate: AdmissionGate | None = None) -> None:
         self.config = config
         self.gate = gate
-        self.held: dict[int, tuple[float, RolloutGroup]] = {}  # ticket -> group waiting for an earlier ticket
+        self.held: dict[int, _Queued] = {}  # ticket -> group waiting for an earlier ticket
         self.tokens = TokenBooks()
         self.clock = clock
         self.counters = QueueCounters()
-        self.items: deque[tuple[float, RolloutGroup]] = deque()  # (arrival time, group)
+        self.items: deque[_Queued] = deque()
         self.room = _Waiters()  # sends waiting for room
         self.arrivals = _Waiters()  # the receiver waiting for groups or for the senders to close
         self.seen_ids: OrderedDict[str, None] = OrderedDict()  # accepted ids: a retried send is stored once
@@ -132,20 +141,20 @@ class _State:
     def full(self) -> bool:
         return len(self.items) >= self.config.capacity and not self.receiver_closed
 
-    def accept(self, group: RolloutGroup) -> None:
+    def accept(self, group: RolloutGroup, ticket: int | None) -> None:
         self.seen_ids[group.group_id] = None
         if len(self.seen_ids) > SEEN_IDS_LIMIT:
             self.seen_ids.popitem(last=False)
         self.counters.entered += 1
         self.tokens.generated(group)
-        if group.ticket is not None and self.gate is not None:
-            self.held[group.ticket] = (time.monotonic(), group)
+        if ticket is not None and self.gate is not None:
+            self.held[ticket] = _Queued(time.monotonic(), group, ticket)
             self.release_due()
             return
-        self.append(time.monotonic(), group)
+        self.append(_Queued(time.monotonic(), group, None))
 
-    def append(self, arrived: float, group: RolloutGroup) -> None:
-        self.items.append((arrived, group))
+    def append(self, entry: _Queued) -> None:
+        self.items.append(entry)
         if len(self.items) > self.max_depth:
             self.max_depth = len(self.items)
         self.arrivals.notify_all()
@@ -155,23 +164,23 @@ class _State:
         gate = self.gate
         while gate is not None and gate.next_due in self.held and not self.full():
             ticket = gate.next_due
-            self.append(*self.held.pop(ticket))
+            self.append(self.held.pop(ticket))
             gate.release(ticket)
 
-    def drop(self, reason: DropReason, groups: list[RolloutGroup]) -> None:
-        """Count queued ``groups`` as dropped; their admission places go to the next groups."""
-        self.counters.dropped.add(reason, len(groups))
-        self.tokens.dropped(reason, groups)
-        for g in groups:
+    def drop(self, reason: DropReason, entries: list[_Queued]) -> None:
+        """Count queued groups as dropped; their admission places go to the next groups."""
+        self.counters.dropped.add(reason, len(entries))
+        self.tokens.dropped(reason, [e.group for e in entries])
+        for e in entries:
             if self.gate is not None:
-                self.gate.withdraw(g.ticket)
+                self.gate.withdraw(e.ticket)
 
     def on_version(self, clock: VersionClock) -> None:
         """Drop queued groups that the new policy version made too stale (``receive_batch`` would anyway)."""
         policy, limit = clock.policy, self.config.max_staleness
-        keep = deque(item for item in self.items if item[1].staleness(policy) <= limit)
+        keep = deque(e for e in self.items if e.group.staleness(policy) <= limit)
         if len(keep) < len(self.items):
-            stale = [g for _, g in self.items if g.staleness(policy) > limit]
+            stale = [e for e in self.items if e.group.staleness(policy) > limit]
             self.items = keep
             self.drop(DropReason.STALE, stale)
             self.release_due()
@@ -185,7 +194,7 @@ class _State:
         self.unsubscribe_gate()
         if self.gate is not None:
             self.gate.close()  # first: the places that the drops below free go to nobody
-        left = [g for _, g in self.items] + [g for _, g in self.held.values()]
+        left = [*self.items, *self.held.values()]
         self.items.clear()
         self.held.clear()
         self.drop(DropReason.UNUSED_AT_SHUTDOWN, left)
@@ -217,8 +226,9 @@ class RolloutSender:
         """True once the receiving end is closed: every send raises ``QueueClosed`` from then on."""
         return self._state.receiver_closed
 
-    async def send(self, group: RolloutGroup) -> bool:
-        """Queue a group, waiting while the queue is full. False if its id was already accepted.
+    async def send(self, group: RolloutGroup, *, ticket: int | None = None) -> bool:
+        """Queue a group, waiting while the queue is full. False if its id was already accepted. ``ticket``: its
+        admission ticket (held for earlier tickets, then handed out in ticket order; None: released on arrival).
 
         Raises ``QueueClosed`` once the receiving end is closed."""
         state = self._state
@@ -227,19 +237,19 @@ class RolloutSender:
         if state.receiver_closed:
             raise QueueClosed("the rollout queue's receiver is closed")
         if group.group_id in state.seen_ids:
-            return self._refuse(group)
-        if state.full() and (group.ticket is None or state.gate is None):  # held groups need no room
+            return self._refuse(ticket)
+        if state.full() and (ticket is None or state.gate is None):  # held groups need no room
             await self._wait_for_room()
             if group.group_id in state.seen_ids:  # a retry of this group was stored while we waited
-                return self._refuse(group)
+                return self._refuse(ticket)
         if state.receiver_closed:
             raise QueueClosed("the rollout queue's receiver is closed")
-        state.accept(group)  # no await since the checks: nothing can have changed in between
+        state.accept(group, ticket)  # no await since the checks: nothing can have changed in between
         return True
 
-    def _refuse(self, group: RolloutGroup) -> bool:
+    def _refuse(self, ticket: int | None) -> bool:
         if self._state.gate is not None:  # a duplicate takes no place in a batch
-            self._state.gate.withdraw(group.ticket)
+            self._state.gate.withdraw(ticket)
         return False
 
     async def _wait_for_room(self) -> None:
@@ -342,15 +352,15 @@ class RolloutReceiver:
         state = self._state
         policy, limit, now = state.clock.policy, state.config.max_staleness, time.monotonic()
         while state.items and len(batch) < size:
-            arrived, group = state.items.popleft()
-            staleness = group.staleness(policy)
+            entry = state.items.popleft()
+            staleness = entry.group.staleness(policy)
             if staleness > limit:
-                state.drop(DropReason.STALE, [group])
+                state.drop(DropReason.STALE, [entry])
                 continue
-            taken.append((staleness, now - arrived))
-            batch.append(group)
+            taken.append((staleness, now - entry.arrived))
+            batch.append(entry.group)
             if state.gate is not None:
-                state.gate.handed_out(group.ticket)
+                state.gate.handed_out(entry.ticket)
             state.release_due()  # the room just made may let held groups follow in order
         state.room.notify_all()
 

@@ -14,7 +14,7 @@ Layout (``"v": 3``; the prompt, its token ids included, is carried once per grou
                               "version_spans": [{"version": int, "start": int, "end": int}],
                               "text": str, "loss_mask": null | [0|1]},
                    "reward": float}],
-     "opponents": [sample, ...]}          # optional, one per rollout (a preference trainer's opponents)
+     "companions": {str: [sample, ...]}}  # optional: samples its maker attached for the loss, by role
 
 Version spans are ordered, each non-empty, versions never going back. With ``"loss_mask": null`` (a
 ``Sample``, a single completion) they tile the completion, contiguous from token 0 to the last. With a loss mask
@@ -74,8 +74,8 @@ def group_to_json(group: RolloutGroup) -> dict[str, Any]:
                    "text": group.prompt.text, "answer": group.prompt.answer},
         "rollouts": [{"sample": _sample_to_json(r.sample), "reward": r.reward} for r in group.rollouts],
     }
-    if group.opponents:  # optional: a group without them is what every earlier peer sends
-        obj["opponents"] = [_sample_to_json(s) for s in group.opponents]
+    if group.companions:  # optional: a group without them is what every earlier peer sends
+        obj["companions"] = {role: [_sample_to_json(s) for s in samples] for role, samples in group.companions.items()}
     group_from_json(obj)  # one validator for both directions: what we emit, a peer accepts
     return obj
 
@@ -97,21 +97,30 @@ def _sample_to_json(s: Sample) -> dict[str, Any]:
 def group_from_json(obj: Any) -> RolloutGroup:
     """Decode and validate one group. Raises ``WireError`` naming the first bad field."""
     _check_version(obj)
-    d = _fields(obj, "", _GROUP_KEYS | ({"opponents"} & obj.keys()))
+    d = _fields(obj, "", _GROUP_KEYS | ({"companions", "opponents"} & obj.keys()))
     group_id = _nonempty_str(d["group_id"], "group_id")
     rollouts = _list(d["rollouts"], "rollouts")
     if not rollouts:
         raise WireError("rollouts", "a group needs at least one rollout")
-    opponents = _list(d.get("opponents", []), "opponents")
-    if opponents and len(opponents) != len(rollouts):
-        raise WireError("opponents", f"{len(opponents)} opponents for {len(rollouts)} rollouts (one each)")
     return RolloutGroup(
         group_id=group_id,
         prompt=_prompt(d["prompt"], "prompt"),
         rollouts=tuple(_rollout(r, f"rollouts[{i}]") for i, r in enumerate(rollouts)),
         meta=_json_object(d["meta"], "meta"),
-        opponents=tuple(_sample(s, f"opponents[{i}]") for i, s in enumerate(opponents)),
+        companions=_companions(d),
     )
+
+
+def _companions(d: dict[str, Any]) -> dict[str, tuple[Sample, ...]]:
+    # Peers of the first preference release sent XPO's opponents as a top-level list: read as the same role.
+    roles = d.get("companions", {}) if "opponents" not in d else {"opponents": d["opponents"]}
+    if not isinstance(roles, dict):
+        raise WireError("companions", f"must be an object of role -> [sample], got {_kind(roles)}")
+    out = {}
+    for role, samples in roles.items():
+        path = f"companions.{role}" if "opponents" not in d else "opponents"
+        out[role] = tuple(_sample(s, f"{path}[{i}]") for i, s in enumerate(_list(samples, path)))
+    return out
 
 
 def _check_version(obj: Any) -> None:

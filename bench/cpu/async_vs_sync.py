@@ -102,12 +102,14 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool) -> Any:
 async def one_run(engine: Any, model_dir: Path, tok: Any, args: argparse.Namespace, synchronous: bool,
                   seed: int) -> dict[str, Any]:
     from asyncrl.algorithms.losses import LossConfig
+    from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
     from asyncrl.testing.tasks import arithmetic
 
     model = common.load_learner(model_dir)
     pipeline = grpo_pipeline(
-        engine, model, common.arithmetic_prompts(tok, seed), lambda p, s: arithmetic.reward(s.text, p.answer),
+        engine, model, common.arithmetic_prompts(tok, seed),
+        RewardGroups(lambda p, s: arithmetic.reward(s.text, p.answer)),
         pipeline_config(args, synchronous), loss_config=LossConfig(), pad_id=tok.pad_token_id,
         close_engine=False)
     marks: list[float] = []

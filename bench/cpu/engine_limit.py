@@ -123,6 +123,7 @@ async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) 
     import torch
 
     import asyncrl
+    from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
     b = args.batch_groups
@@ -135,7 +136,7 @@ async def pipe_phase(engine: Any, prompts: list[Any], args: argparse.Namespace) 
         learner=asyncrl.LearnerConfig(batch_groups=b, sync=asyncrl.SyncConfig(every=10**9)),
     )
     dummy = torch.nn.Linear(1, 1, bias=False)
-    pipeline = grpo_pipeline(engine, dummy, prompts, lambda prompt, sample: 0.0, config, loss=NoOpLoss(),
+    pipeline = grpo_pipeline(engine, dummy, prompts, RewardGroups(lambda prompt, sample: 0.0), config, loss=NoOpLoss(),
                              close_engine=False)
     t0 = time.perf_counter()
     result = await pipeline.run(len(prompts) // b)

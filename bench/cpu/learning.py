@@ -171,13 +171,14 @@ async def run_setting(engine: Any, base: Path, tok: Any, task: ex.Task, args: ar
     from asyncrl import SyncConfig, VersionClock, WeightSync
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.engines.weights import state_dict_for_engine
+    from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     # The base weights as the engine's next version; the new pipeline's clock starts there.
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(state_dict_for_engine(model))
     torch.manual_seed(seed)
-    pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, seed), ex.prompt_reward(task),
+    pipeline = grpo_pipeline(engine, model, ex.rl_prompts(task, tok, seed), RewardGroups(ex.prompt_reward(task)),
                              pipeline_config(args, s),
                              loss_config=LossConfig(is_level=s.is_level, correction=s.correction),
                              pad_id=tok.pad_token_id, close_engine=False)

@@ -72,8 +72,8 @@ class StampedSender:
     def __init__(self, inner: Any, stored_at: dict[str, float]) -> None:
         self.inner, self.stored_at = inner, stored_at
 
-    async def send(self, group: Any) -> bool:
-        stored = await self.inner.send(group)
+    async def send(self, group: Any, *, ticket: int | None = None) -> bool:
+        stored = await self.inner.send(group, ticket=ticket)
         # ``send`` returns in the same event-loop step that queued the group: the consumer has not run since.
         self.stored_at[group.group_id] = time.monotonic()
         return stored
@@ -85,11 +85,13 @@ class StampedSender:
 async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
     """Produce ``count`` groups of one 1-token rollout and consume them all. Returns timings."""
     import asyncrl
+    from asyncrl.actors import Producer
     from asyncrl.engines.fake import FakeEngine
+    from asyncrl.queues import create_rollout_queue
 
     count -= count % args.batch
     engine = FakeEngine(token_delay_s=0.0)
-    sender, receiver = asyncrl.create_rollout_queue(
+    sender, receiver = create_rollout_queue(
         asyncrl.QueueConfig(capacity=args.capacity, max_staleness=0), asyncrl.VersionClock(engine.version))
     source = asyncrl.PromptSource(prompts(count))
     cfg = asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=1, max_tokens=1),
@@ -97,7 +99,8 @@ async def one_run(args: argparse.Namespace, count: int) -> dict[str, Any]:
                                  sync_rewards=asyncrl.RewardExecution.INLINE)
     stored_at: dict[str, float] = {}
     with sender:  # each producer holds a clone
-        producers = [asyncrl.Producer(engine, source, lambda p, s: 1.0, StampedSender(sender.clone(), stored_at),
+        producers = [Producer(engine, source, asyncrl.RewardGroups(lambda p, s: 1.0),
+                              StampedSender(sender.clone(), stored_at),
                                       cfg, name=f"producer-{i}")
                      for i in range(args.producers)]
     latencies: list[float] = []

@@ -183,6 +183,7 @@ async def ingest(args: argparse.Namespace, engines: list[ActorEngine]) -> dict[s
     from asyncrl import PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig
     from asyncrl.config import LearnerConfig, RewardExecution
     from asyncrl.distributed.run import sharded_pipeline
+    from asyncrl.groups import RewardGroups
     from asyncrl.engines.pool import EnginePool
 
     sampling = SamplingConfig(n=args.group_size, max_tokens=args.max_tokens)
@@ -194,7 +195,7 @@ async def ingest(args: argparse.Namespace, engines: list[ActorEngine]) -> dict[s
     pool = EnginePool(engines)
     backend = SimBackend(args.train_ms / 1000, args.payload_mib)
     reward = lambda p, s: float(len(s.token_ids) % 2)  # noqa: E731
-    pipe = sharded_pipeline(pool, backend, prompts(), reward, config,  # type: ignore[arg-type]
+    pipe = sharded_pipeline(pool, backend, prompts(), RewardGroups(reward), config,  # type: ignore[arg-type]
                             close_engine=False)
     result = await pipe.run(args.steps)
     entered = pipe.receiver.counters.entered

@@ -178,6 +178,7 @@ def server_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, Any]:
     from asyncrl.distributed import sharded_pipeline
+    from asyncrl.groups import RewardGroups
     from asyncrl.engines.vllm_remote.process import free_port, start_vllm_server
     from asyncrl.examples import distributed_grpo as example
 
@@ -188,7 +189,7 @@ async def publish_and_run(args: argparse.Namespace, backend: Any) -> dict[str, A
     log = Path(args.out) / f"vllm-server-{args.model_dir.name}.log" if own_out else None
     async with start_vllm_server(args.model_dir, free_port(), extra_args=extra, env=env, log_path=log) as server:
         pool = await example.connect(ex, [server.base_url], backend.ctx.local_rank)
-        pipe = sharded_pipeline(pool, backend, example.prompts(ex), example.reward_fn(ex),
+        pipe = sharded_pipeline(pool, backend, example.prompts(ex), RewardGroups(example.reward_fn(ex)),
                                 example.pipeline_config(ex))
         timings, walls = [], []
         for _ in range(args.publish_reps):  # wall: gather + stage (generation running) + the paused part

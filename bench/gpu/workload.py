@@ -199,6 +199,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                   synchronous: bool, memory: MemoryWatch, lora: Any = None, lr: float | None = None) -> dict[str, Any]:
     """One pipeline run; with ``lora`` (a ``LoraConfig``) the policy trains an adapter alone, published alone."""
     from asyncrl.algorithms.losses import LossConfig
+    from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
     model = common.load_learner(model_dir, dtype="float32")
@@ -210,7 +211,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     learner_memory = common.LearnerMemory()
     precompile_s = precompile_learner(args, model, config.learner)
     print(f"learner precompiled in {precompile_s:.0f}s", flush=True)
-    pipe = grpo_pipeline(engine, model, prompts, lambda p, s: countdown.reward(s.text, p.answer),
+    pipe = grpo_pipeline(engine, model, prompts, RewardGroups(lambda p, s: countdown.reward(s.text, p.answer)),
                          config, pad_id=tok.pad_token_id, close_engine=False,
                          loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean",
                                                 correction=args.correction))

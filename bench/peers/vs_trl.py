@@ -196,6 +196,7 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
     import asyncrl
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.engines.vllm_local import VLLMEngine
+    from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
     torch.set_num_threads(args.torch_threads or prof["learner_threads"])
@@ -209,7 +210,8 @@ async def run_ours(args: argparse.Namespace, prof: dict[str, Any], model_dir: Pa
         await engine.generate(prompts[0].token_ids, asyncrl.SamplingConfig(n=n, max_tokens=t), request_id="warm")
         # float32 weights on every device, like TRL's; --precision bf16 autocasts both sides.
         model = common.load_learner(model_dir, dtype="float32")
-        pipeline = grpo_pipeline(engine, model, prompts, reward_of(prof["reward"]), ours_config(args, prof),
+        groups = RewardGroups(reward_of(prof["reward"]))
+        pipeline = grpo_pipeline(engine, model, prompts, groups, ours_config(args, prof),
                                  loss_config=LossConfig(clip_low=0.2, clip_high=0.28, length_norm="token_mean"),
                                  pad_id=tok.pad_token_id, close_engine=False)
         rewards: list[float] = []

@@ -1,4 +1,4 @@
-"""Scoring a group's samples with the user's reward function, without ever stalling the event loop.
+"""Scoring a group's samples with a user's function (a reward, a judge), without ever stalling the event loop.
 
 An ``async`` reward runs on the event loop. A synchronous one runs in a worker thread (anyio's
 ``to_thread.run_sync`` under a ``CapacityLimiter`` of ``ProducerConfig.reward_threads``), one thread call per
@@ -9,9 +9,10 @@ A thread cannot be stopped: a timed-out synchronous call keeps running until it 
 goes to the next group. So that hung calls cannot pile up threads without end, once ``reward_threads`` calls
 are overrunning at the same time the run stops with ``NoProgressError``.
 
-The same machinery runs a preference trainer's pairwise judge (``asyncrl.preference.scoring``): ``run_calls``
-takes a group's calls as argument tuples, and ``ScoringKind`` names the function and the reasons its group is
-dropped under.
+The limits come with each call (the ``ProducerConfig`` of the group's request), so one scorer serves a pipeline's
+producers and its evaluator alike. The same machinery runs a preference trainer's pairwise judge
+(``asyncrl.preference.groups``) and an agent's reward: ``run_calls`` takes a group's calls as argument tuples, and
+``ScoringKind`` names the function and the reasons its group is dropped under.
 """
 
 from __future__ import annotations
@@ -55,17 +56,15 @@ REWARD = ScoringKind("reward function", DropReason.REWARD_ERROR, DropReason.REWA
 
 
 class RewardScorer:
-    """Scores groups with one reward function (shared by a producer's in-flight groups); with another ``kind``,
-    runs any function's calls the same way (``run_calls``)."""
+    """Scores groups with one reward function (shared by every in-flight group of its maker); with another
+    ``kind``, runs any function's calls the same way (``run_calls``)."""
 
-    def __init__(self, fn: Callable[..., Any], config: ProducerConfig, *, kind: ScoringKind = REWARD) -> None:
+    def __init__(self, fn: Callable[..., Any], *, kind: ScoringKind = REWARD) -> None:
         self._fn = fn
         self._kind = kind
         self._is_async = is_async_callable(fn)
-        self._in_thread = not self._is_async and config.sync_rewards is RewardExecution.THREAD
-        self._timeout_s = config.reward_timeout_s
-        self._limiter = anyio.CapacityLimiter(config.reward_threads)
-        self._max_overrunning = config.reward_threads
+        # Sized by each call's ``reward_threads`` (one pipeline's calls all carry the same).
+        self._limiter = anyio.CapacityLimiter(1)
         self._overrunning = 0  # timed-out thread calls still running
         self._lock = threading.Lock()  # guards _overrunning (decremented from worker threads)
 
@@ -74,31 +73,34 @@ class RewardScorer:
         """Synchronous calls that timed out and are still running in their threads."""
         return self._overrunning
 
-    async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
-        """One reward per sample. Raises ``RewardRejected`` (the group is dropped) or ``NoProgressError``."""
-        return [self._checked(v) for v in await self.run_calls([(prompt, s) for s in samples])]
+    async def score(self, prompt: Prompt, samples: Sequence[Sample], config: ProducerConfig) -> list[float]:
+        """One reward per sample, under ``config``'s limits. Raises ``RewardRejected`` (the group is dropped) or
+        ``NoProgressError``."""
+        return [self.checked(v) for v in await self.run_calls([(prompt, s) for s in samples], config)]
 
-    async def run_calls(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """``fn(*args)`` for every ``args`` in ``calls`` (one group's), as configured: inline, in a worker thread
-        (one thread call for them all) or concurrently on the loop, bounded together by the timeout. Raises
-        ``RewardRejected`` under the kind's reasons, or ``NoProgressError``."""
-        if not (self._is_async or self._in_thread):
-            return self._inline(calls)
-        if self._overrunning >= self._max_overrunning:
+    async def run_calls(self, calls: Sequence[tuple[Any, ...]], config: ProducerConfig) -> list[Any]:
+        """``fn(*args)`` for every ``args`` in ``calls`` (one group's), as ``config`` says (``sync_rewards``):
+        inline, in a worker thread (one thread call for them all) or concurrently on the loop, bounded together by
+        ``reward_timeout_s``. Raises ``RewardRejected`` under the kind's reasons, or ``NoProgressError``."""
+        timeout_s = config.reward_timeout_s
+        if not (self._is_async or config.sync_rewards is RewardExecution.THREAD):
+            return self._inline(calls, timeout_s)
+        if self._overrunning >= config.reward_threads:
             raise NoProgressError(f"the {self._kind.noun} hangs: {self._overrunning} calls are still running "
-                                  f"more than reward_timeout_s={self._timeout_s}s after they started")
+                                  f"more than reward_timeout_s={timeout_s}s after they started")
+        self._limiter.total_tokens = config.reward_threads
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(timeout_s):
                 return await self._call(calls)
         except TimeoutError:
             raise RewardRejected(self._kind.timeout,
-                                 f"{self._kind.noun} took longer than reward_timeout_s={self._timeout_s}s") from None
+                                 f"{self._kind.noun} took longer than reward_timeout_s={timeout_s}s") from None
         except (asyncio.CancelledError, NoProgressError):
             raise
         except Exception as exc:
             raise RewardRejected(self._kind.error, f"{self._kind.noun} raised {exc!r}") from exc
 
-    def _inline(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def _inline(self, calls: Sequence[tuple[Any, ...]], timeout_s: float) -> list[Any]:
         """``sync_rewards="inline"``: called on the event loop, where nothing can interrupt it, so the timeout is
         checked once it returns (without an ``asyncio.timeout`` per group: this path exists to be cheap)."""
         t0 = time.perf_counter()
@@ -106,9 +108,9 @@ class RewardScorer:
             values = [self._fn(*args) for args in calls]
         except Exception as exc:
             raise RewardRejected(self._kind.error, f"{self._kind.noun} raised {exc!r}") from exc
-        if time.perf_counter() - t0 > self._timeout_s:
+        if time.perf_counter() - t0 > timeout_s:
             raise RewardRejected(self._kind.timeout, f"inline {self._kind.noun} took longer than "
-                                                     f"reward_timeout_s={self._timeout_s}s")
+                                                     f"reward_timeout_s={timeout_s}s")
         if any(type(v) is not float and inspect.isawaitable(v) for v in values):
             for v in values:
                 if inspect.isawaitable(v):
@@ -133,7 +135,8 @@ class RewardScorer:
             call.abandon()
             raise
 
-    def _checked(self, value: object) -> float:
+    def checked(self, value: object) -> float:
+        """``value`` as a finite float; else ``RewardRejected`` under the kind's ``invalid`` reason."""
         if type(value) is float and math.isfinite(value):  # the usual case, without the ABC checks below
             return value
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):

@@ -1,13 +1,13 @@
-"""A producer's pairwise scoring: a group's completions judged against each other, or against an opponent's.
+"""``JudgedGroups``: the group maker of the preference trainers, a group's completions judged in pairs.
 
 Without an opponent (Online DPO) every pair of the group's ``n`` completions is judged once (``n = 2``: one
 comparison) and each completion scores its mean win probability against the others: the learner pairs the best
 with the worst. With an ``opponent`` sampler (XPO's reference, Nash-MD's mixture) each completion is judged
 against one completion the opponent samples for the same prompt, and scores the probability that it wins; the
-opponents travel with the group (``RolloutGroup.opponents``) when the loss needs them.
+opponents travel with the group (``RolloutGroup.companions["opponents"]``) when the loss needs them.
 
 A group whose comparisons all tie has no pair to learn from: it is dropped as ``preference_tie`` and counted.
-Judge calls run under ``asyncrl.actors.rewards``' machinery (threads, limiter, timeout, counted drops).
+Judge calls run under ``asyncrl.groups.scoring``' machinery (threads, limiter, timeout, counted drops).
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncrl.actors.rewards import RewardRejected, RewardScorer, ScoringKind
 from asyncrl.config import ProducerConfig
 from asyncrl.engines.protocols import PromptRejected, Sampler
+from asyncrl.groups.maker import GroupMaker, GroupRequest, check_prompt, sample_completions
+from asyncrl.groups.scoring import RewardRejected, RewardScorer, ScoringKind
 from asyncrl.preference.judges import JudgeFn
-from asyncrl.types import DropReason, FinishReason, Prompt, Sample
+from asyncrl.types import DropReason, FinishReason, Prompt, Rollout, RolloutGroup, Sample
 
-__all__ = ["JUDGE", "JudgeCounters", "JudgeScorer"]
+__all__ = ["JUDGE", "OPPONENTS", "JudgeCounters", "JudgedGroups"]
 
 JUDGE = ScoringKind("pairwise judge", DropReason.JUDGE_ERROR, DropReason.JUDGE_INVALID, DropReason.JUDGE_TIMEOUT)
 OPPONENT_RESUBMITS = 2  # an opponent sample cut by an abort pause is sampled again at most this often
+OPPONENTS = "opponents"  # the companion role of the opponents' completions (XPO's loss reads them)
 
 
 @dataclass(slots=True)
@@ -43,15 +45,15 @@ class JudgeCounters:
     opponent_s: float = 0.0  # seconds groups spent waiting for the opponent's completions (summed over groups)
 
 
-class JudgeScorer:
-    """Scores a group with a pairwise ``judge``, against itself or against ``opponent``'s completions."""
+class JudgedGroups(GroupMaker):
+    """Samples ``n`` completions per prompt and scores them with a pairwise ``judge``, against each other or
+    against ``opponent``'s completions; each rollout's reward is its preference score."""
 
-    def __init__(self, judge: JudgeFn, config: ProducerConfig, *, opponent: Sampler | None = None,
-                 keep_opponents: bool = True) -> None:
+    def __init__(self, judge: JudgeFn, *, opponent: Sampler | None = None, keep_opponents: bool = True) -> None:
         """``keep_opponents``: whether the opponents' completions go with the group (XPO trains on them;
         Nash-MD only needs the verdicts)."""
-        self._calls = RewardScorer(judge, config, kind=JUDGE)
-        self._sampling = config.sampling
+        self.judge = judge
+        self._calls = RewardScorer(judge, kind=JUDGE)
         self.opponent = opponent
         self.keep_opponents = keep_opponents
         self.counters = JudgeCounters()
@@ -60,15 +62,27 @@ class JudgeScorer:
     def overrunning(self) -> int:
         return self._calls.overrunning
 
-    async def score(self, group_id: str, prompt: Prompt, samples: Sequence[Sample]) -> tuple[list[float],
-                                                                                           tuple[Sample, ...]]:
+    async def make(self, request: GroupRequest) -> RolloutGroup:
+        check_prompt(request)
+        samples = await sample_completions(request)
+        scores, opponents = await self.score(request.group_id, request.prompt, samples, request.config)
+        rollouts = tuple(Rollout(s, r) for s, r in zip(samples, scores))
+        companions = {OPPONENTS: opponents} if opponents else {}
+        return RolloutGroup(request.group_id, request.prompt, rollouts, companions=companions)
+
+    def fork(self) -> JudgedGroups:
+        return JudgedGroups(self.judge, opponent=self.opponent, keep_opponents=self.keep_opponents)
+
+    async def score(self, group_id: str, prompt: Prompt, samples: Sequence[Sample],
+                    config: ProducerConfig) -> tuple[list[float], tuple[Sample, ...]]:
         """Per-sample preference scores in [0, 1], and the opponents' completions (empty without an opponent,
-        or when they are not kept). Raises ``RewardRejected`` (the group is dropped) or ``NoProgressError``."""
+        or when they are not kept), under ``config``'s limits and sampling. Raises ``RewardRejected`` (the group is
+        dropped) or ``NoProgressError``."""
         if self.opponent is None:
             return self._round_robin(samples, await self._judged(
-                [(prompt, a, b) for a, b in itertools.combinations(samples, 2)])), ()
-        opponents = await self._opponents(group_id, prompt, len(samples))
-        probs = await self._judged([(prompt, s, o) for s, o in zip(samples, opponents)])
+                [(prompt, a, b) for a, b in itertools.combinations(samples, 2)], config)), ()
+        opponents = await self._opponents(group_id, prompt, len(samples), config)
+        probs = await self._judged([(prompt, s, o) for s, o in zip(samples, opponents)], config)
         self.counters.win_prob_sum += sum(probs)
         self.counters.opponent_judged += len(probs)
         self._check_decisive(probs)
@@ -84,8 +98,8 @@ class JudgeScorer:
                         "judge/opponent_samples": c.opponent_samples, "judge/opponent_s": c.opponent_s})
         return out
 
-    async def _judged(self, calls: list[tuple[Prompt, Sample, Sample]]) -> list[float]:
-        probs = [_probability(v) for v in await self._calls.run_calls(calls)]
+    async def _judged(self, calls: list[tuple[Prompt, Sample, Sample]], config: ProducerConfig) -> list[float]:
+        probs = [_probability(v) for v in await self._calls.run_calls(calls, config)]
         self.counters.comparisons += len(probs)
         self.counters.ties += sum(p == 0.5 for p in probs)
         return probs
@@ -110,17 +124,17 @@ class JudgeScorer:
         if all(p == 0.5 for p in probs):
             raise RewardRejected(DropReason.PREFERENCE_TIE, f"all {len(probs)} comparisons with the opponent tied")
 
-    async def _opponents(self, group_id: str, prompt: Prompt, n: int) -> list[Sample]:
+    async def _opponents(self, group_id: str, prompt: Prompt, n: int, config: ProducerConfig) -> list[Sample]:
         assert self.opponent is not None
         t0 = time.perf_counter()
         try:
-            out = await self.opponent.generate(prompt.token_ids, self._sampling, request_id=f"{group_id}/opponent",
+            out = await self.opponent.generate(prompt.token_ids, config.sampling, request_id=f"{group_id}/opponent",
                                                n=n)
             for attempt in range(1, OPPONENT_RESUBMITS + 1):
                 cut = [i for i, s in enumerate(out) if s.finish_reason is FinishReason.ABORT]
                 if not cut:
                     break
-                again = await self.opponent.generate(prompt.token_ids, self._sampling, n=len(cut),
+                again = await self.opponent.generate(prompt.token_ids, config.sampling, n=len(cut),
                                                      request_id=f"{group_id}/opponent/r{attempt}")
                 for i, s in zip(cut, again):
                     out[i] = s
