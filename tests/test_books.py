@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from asyncrl import (
-    DropReason, GroupTotals, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, SamplingConfig,
-    SyncConfig, VersionClock, create_rollout_queue, grpo_pipeline,
+    DropReason, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, QueueConfig, SamplingConfig, SyncConfig,
+    VersionClock, grpo_pipeline,
 )
+from asyncrl.counters import GroupTotals
+from asyncrl.queues import create_rollout_queue
 from asyncrl.actors.learner import Learner, LearnerCounters
 from asyncrl.actors.producer import ProducerCounters
 from asyncrl.actors.weight_sync import WeightSync
@@ -26,6 +28,7 @@ from asyncrl.counters import Drops, add_up
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.queues.rollout_queue import QueueCounters
 from asyncrl.types import FinishReason, Rollout, RolloutGroup, Sample, VersionSpan
+from asyncrl.groups import RewardGroups
 
 QUEUE_REASONS = {DropReason.STALE, DropReason.UNUSED_AT_SHUTDOWN}  # all a queue ever decides
 OLD_CHECKPOINTS = Path(__file__).parent / "data" / "checkpoint_259b0a0"  # written by the code at 259b0a0
@@ -69,7 +72,8 @@ def group(gid: str, version: int = 0) -> RolloutGroup:
 
 
 async def test_each_fate_is_on_the_books_of_the_component_that_decided_it():
-    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), mixed_prompts(1000), reward,
+    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), mixed_prompts(1000),
+                         RewardGroups(reward),
                          config(max_staleness=0), loss=ZeroLoss())
     result = await pipe.run(steps=8)
     queue, learner = pipe.receiver.counters, pipe.learner.counters
@@ -130,7 +134,8 @@ async def test_an_unfinished_receive_is_the_queues_drop_and_not_handed_out():
 
 async def test_groups_metrics_of_every_step_are_the_totals_under_the_names_users_know():
     seen: list[tuple[dict[str, float], dict[str, float]]] = []
-    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), mixed_prompts(200), reward, config(), loss=ZeroLoss())
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), mixed_prompts(200), RewardGroups(reward), config(),
+                         loss=ZeroLoss())
     pipe.learner.hooks.append(lambda step, metrics: seen.append((dict(metrics), pipe.totals().metrics())))
     await pipe.run(steps=5)
     assert len(seen) == 5
@@ -178,7 +183,8 @@ async def test_a_checkpoint_written_by_the_earlier_code_restores_and_its_books_g
                                                                **lost}), dropped_before_queue=3)
     assert state.counters.unaccounted(0) == 0
     items = [Prompt(f"p{i}", (1, 2, 3)) for i in range(100)]
-    pipe, _ = await resume_pipeline(FakeEngine(), torch.nn.Linear(4, 3), items, lambda p, s: 1.0, config(),
+    pipe, _ = await resume_pipeline(FakeEngine(), torch.nn.Linear(4, 3), items, RewardGroups(lambda p, s: 1.0),
+                                    config(),
                                     checkpoint=saved, loss=ZeroLoss())
     result = await pipe.run(steps=7)
     assert result.steps == 7 and result.groups_trained == 4 + 2 * 2 and result.samples_trained == 8 + 2 * 2 * 2

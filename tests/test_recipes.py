@@ -10,6 +10,7 @@ import asyncrl
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.errors import ConfigError
 from asyncrl.recipes import grpo_pipeline
+from asyncrl.groups import RewardGroups
 
 
 def _reward(prompt, sample) -> float:  # type: ignore[no-untyped-def]
@@ -17,7 +18,7 @@ def _reward(prompt, sample) -> float:  # type: ignore[no-untyped-def]
 
 
 def _build(engine, model, config=None):  # type: ignore[no-untyped-def]
-    return grpo_pipeline(engine, model, [], _reward, config or asyncrl.PipelineConfig())
+    return grpo_pipeline(engine, model, [], RewardGroups(_reward), config or asyncrl.PipelineConfig())
 
 
 def test_an_engine_in_another_precision_is_refused_naming_both_and_the_fixes():
@@ -57,6 +58,7 @@ async def test_the_real_engine_reports_the_precision_vllm_resolved(vllm_engine, 
     assert engine_config(tiny_model_dir).dtype == "float32"
     assert vllm_engine.serving_dtype == "float32"
     with pytest.raises(ConfigError, match="samples in float32 but the learner computes in bfloat16"):
-        grpo_pipeline(vllm_engine, torch.nn.Linear(2, 2).to(torch.bfloat16), [], _reward, close_engine=False)
+        grpo_pipeline(vllm_engine, torch.nn.Linear(2, 2).to(torch.bfloat16), [], RewardGroups(_reward),
+                      close_engine=False)
     model = torch.nn.Linear(2, 2).to(getattr(torch, vllm_engine.serving_dtype))
-    grpo_pipeline(vllm_engine, model, [], _reward, asyncrl.PipelineConfig(), close_engine=False)
+    grpo_pipeline(vllm_engine, model, [], RewardGroups(_reward), asyncrl.PipelineConfig(), close_engine=False)

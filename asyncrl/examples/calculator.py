@@ -42,7 +42,7 @@ class CalculatorProtocol:
         self.end_call = tok.convert_tokens_to_ids(END_CALL)  # the stop token of a calling turn
 
     def parse(self, turn: Any) -> Any:
-        from asyncrl import ToolCall
+        from asyncrl.episodes import ToolCall
 
         match = _CALL.search(turn.text) if turn.token_ids and turn.token_ids[-1] == self.end_call else None
         return ToolCall("calc", (match[1],)) if match else None
@@ -53,7 +53,7 @@ class CalculatorProtocol:
 
     def env_factory(self, reward: Any, timeout_s: float = 5.0) -> Any:
         """One ``ToolEnv`` per episode, rewarding an exact final answer with 1.0."""
-        from asyncrl import ToolBox, ToolEnv
+        from asyncrl.episodes import ToolBox, ToolEnv
 
         tools = ToolBox([calc], timeout_s=timeout_s)
         return lambda prompt: ToolEnv(tools, self.parse, self.render,

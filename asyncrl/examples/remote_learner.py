@@ -29,7 +29,8 @@ import sys
 from typing import Any
 
 import asyncrl
-from asyncrl import LearnerConfig, QueueConfig, RolloutReceiver, SyncConfig, VersionClock, create_rollout_queue
+from asyncrl import LearnerConfig, QueueConfig, SyncConfig, VersionClock
+from asyncrl.queues import RolloutReceiver, create_rollout_queue
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig

@@ -11,6 +11,7 @@ import pytest
 from asyncrl import Evaluator, InvalidGroupError, PauseMode, Prompt, SamplingConfig, SyncConfig
 from asyncrl.actors.evaluation import GREEDY_TEMPERATURE, greedy
 from asyncrl.engines.fake import FakeEngine
+from asyncrl.groups import RewardGroups
 from tests.support.pipelines import config, make_pipeline, prompts
 
 
@@ -50,7 +51,7 @@ async def test_metrics_every_k_steps_with_the_right_values():
     engine = RecordingEngine()
     pipe = make_pipeline(engine, prompts(1000), config())
     pipe.learner.monitor = monitor = Recorder()
-    evaluator = Evaluator(engine, HELD_OUT, even_answer, every=2, config=pipe.config.producer)
+    evaluator = Evaluator(engine, HELD_OUT, RewardGroups(even_answer), every=2, config=pipe.config.producer)
     pipe.learner.hooks.append(evaluator)
     await pipe.run(steps=5)
     assert [s for s, row in sorted(monitor.rows.items()) if "eval/accuracy" in row] == [2, 4]
@@ -69,7 +70,7 @@ async def test_metrics_every_k_steps_with_the_right_values():
 async def test_sampling_is_configurable_and_evaluate_works_by_hand():
     engine = RecordingEngine()
     sampling = SamplingConfig(n=3, max_tokens=2, temperature=0.7)
-    result = await Evaluator(engine, HELD_OUT[:4], even_answer, every=0, sampling=sampling).evaluate()
+    result = await Evaluator(engine, HELD_OUT[:4], RewardGroups(even_answer), every=0, sampling=sampling).evaluate()
     assert result["eval/samples"] == 12 and result["eval/accuracy"] == 0.5
     assert {p for _, p in engine.calls} == {sampling}
     assert greedy(SamplingConfig(max_tokens=9, stop_token_ids=(3,))) == SamplingConfig(
@@ -86,7 +87,7 @@ async def test_a_raising_reward_stops_the_run_naming_the_prompt_and_step(sync_re
     engine = FakeEngine()
     pipe = make_pipeline(engine, prompts(1000), config())
     producer_config = pipe.config.producer.__class__(sampling=pipe.config.producer.sampling, sync_rewards=sync_rewards)
-    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, broken, every=2, config=producer_config))
+    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, RewardGroups(broken), every=2, config=producer_config))
     with pytest.raises(InvalidGroupError, match=r"evaluation after step 2: .*h3.*reward_error.*no answer key for h3"):
         await pipe.run(steps=4)
     assert engine.closed, "the pipeline shut down"
@@ -102,7 +103,7 @@ async def test_cancellation_propagates_and_leaves_no_request_running():
 
     engine = FakeEngine(token_delay_s=0.001)
     pipe = make_pipeline(engine, prompts(1000), config())
-    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, hanging, every=1))
+    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, RewardGroups(hanging), every=1))
     run = asyncio.create_task(pipe.run(steps=3))
     await asyncio.wait_for(entered.wait(), 10)
     run.cancel()
@@ -110,7 +111,7 @@ async def test_cancellation_propagates_and_leaves_no_request_running():
         await run
     assert pipe.learner.step == 1 and engine.closed
     # Straight on the evaluator too: the caller's cancellation is raised, not swallowed into an error or a result.
-    evaluator = Evaluator(FakeEngine(), HELD_OUT, hanging, every=1)
+    evaluator = Evaluator(FakeEngine(), HELD_OUT, RewardGroups(hanging), every=1)
     entered.clear()
     task = asyncio.create_task(evaluator.evaluate())
     await asyncio.wait_for(entered.wait(), 10)  # inside its reward: cancelled mid-evaluation
@@ -122,7 +123,7 @@ async def test_cancellation_propagates_and_leaves_no_request_running():
 async def test_waits_out_a_pause_instead_of_deadlocking():
     engine = FakeEngine()
     await engine.pause(PauseMode.KEEP, clear_cache=False)
-    evaluation = asyncio.create_task(Evaluator(engine, HELD_OUT, even_answer, every=1).evaluate())
+    evaluation = asyncio.create_task(Evaluator(engine, HELD_OUT, RewardGroups(even_answer), every=1).evaluate())
 
     async def all_requests_waiting() -> None:
         while engine.requests < len(HELD_OUT):  # counted on arrival, before the paused engine holds them
@@ -142,7 +143,7 @@ async def test_every_step_beside_an_overlapped_publication(mode):
                         learner=cfg.learner.__class__(batch_groups=2, sync=SyncConfig(overlap=True, mode=mode)))
     pipe = make_pipeline(engine, prompts(1000), cfg)
     pipe.learner.monitor = monitor = Recorder()
-    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, even_answer, every=1, config=cfg.producer))
+    pipe.learner.hooks.append(Evaluator(engine, HELD_OUT, RewardGroups(even_answer), every=1, config=cfg.producer))
     stats = await asyncio.wait_for(pipe.run(steps=4), 60)
     assert stats.steps == 4 and stats.unaccounted == 0
     assert all(monitor.rows[s]["eval/samples"] + monitor.rows[s]["eval/dropped"] == 10 for s in range(1, 5))
@@ -151,11 +152,11 @@ async def test_every_step_beside_an_overlapped_publication(mode):
 def test_refuses_what_cannot_evaluate():
     engine = FakeEngine()
     with pytest.raises(ValueError, match="at least one prompt"):
-        Evaluator(engine, [], even_answer, every=1)
-    with pytest.raises(ValueError, match="reward_fn"):
-        Evaluator(engine, HELD_OUT, None, every=1)
+        Evaluator(engine, [], RewardGroups(even_answer), every=1)
+    with pytest.raises(TypeError, match="needs a GroupMaker"):
+        Evaluator(engine, HELD_OUT, even_answer, every=1)  # a reward function is not a maker
     with pytest.raises(ValueError, match="every >= 0"):
-        Evaluator(engine, HELD_OUT, even_answer, every=-1)
+        Evaluator(engine, HELD_OUT, RewardGroups(even_answer), every=-1)
 
 
 # ------------------------------------------------------------------------------------------ the real engine
@@ -168,7 +169,7 @@ async def test_greedy_on_vllm_is_accepted_and_repeatable(vllm_engine, tokenizer)
 
     _, held_out = arithmetic.split(0, 16)
     items = [Prompt(f"h{i}", tuple(tokenizer(p.prompt).input_ids), p.prompt, p.answer) for i, p in enumerate(held_out)]
-    evaluator = Evaluator(vllm_engine, items, lambda p, s: arithmetic.reward(s.text, p.answer), every=1,
+    evaluator = Evaluator(vllm_engine, items, RewardGroups(lambda p, s: arithmetic.reward(s.text, p.answer)), every=1,
                           sampling=greedy(SamplingConfig(max_tokens=6)))
     first = await evaluator.evaluate()
     texts = {g.prompt.prompt_id: g.rollouts[0].sample.text for g in evaluator.groups}

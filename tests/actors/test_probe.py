@@ -17,6 +17,7 @@ from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.updates import AdapterWeights, WeightUpdate
 from asyncrl.lora import LoraConfig, apply_lora, load_adapter_state
 from asyncrl.recipes import grpo_pipeline
+from asyncrl.groups import RewardGroups
 from tests.support.algorithms import _model
 from tests.support.pipelines import config, prompts
 
@@ -63,7 +64,7 @@ def reward(prompt, sample) -> float:
 async def test_every_publication_is_probed_against_what_it_published(lora, overlap):
     model = policy(lora)
     engine = ScoringFake(model)
-    pipe = grpo_pipeline(engine, model, prompts(40, length=4), reward, probed(overlap))
+    pipe = grpo_pipeline(engine, model, prompts(40, length=4), RewardGroups(reward), probed(overlap))
     await pipe.run(3)
     probe = pipe.learner.probe
     assert probe is not None and probe.checks == 3 and probe.last_diff is not None and probe.last_diff < 1e-5
@@ -77,7 +78,7 @@ async def test_every_publication_is_probed_against_what_it_published(lora, overl
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 async def test_an_engine_serving_other_weights_fails_the_run(lora):
     model = policy(lora)
-    pipe = grpo_pipeline(ScoringFake(model, stuck=True), model, prompts(40, length=4), reward, probed())
+    pipe = grpo_pipeline(ScoringFake(model, stuck=True), model, prompts(40, length=4), RewardGroups(reward), probed())
     with pytest.raises(PublicationMismatch, match="serves other weights than were published"):
         await pipe.run(3)
     assert pipe.learner.step == 1  # the first publication was caught
@@ -85,6 +86,6 @@ async def test_an_engine_serving_other_weights_fails_the_run(lora):
 
 async def test_a_target_that_cannot_be_scored_says_so():
     model = policy(False)
-    pipe = grpo_pipeline(FakeEngine(vocab_size=50), model, prompts(40, length=4), reward, probed())
+    pipe = grpo_pipeline(FakeEngine(vocab_size=50), model, prompts(40, length=4), RewardGroups(reward), probed())
     with pytest.raises(ConfigError, match="cannot score sequences"):
         await pipe.run(2)

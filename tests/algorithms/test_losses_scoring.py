@@ -222,7 +222,8 @@ def test_the_step_runs_in_the_learners_own_thread_at_its_niceness(model: torch.n
 
 def _queue_and_sync():
     """The receiving end and weight sync a learner needs, over an in-memory engine (nothing is published)."""
-    from asyncrl import QueueConfig, VersionClock, WeightSync, create_rollout_queue
+    from asyncrl import QueueConfig, VersionClock, WeightSync
+    from asyncrl.queues import create_rollout_queue
     from asyncrl.engines.fake import FakeEngine
 
     clock = VersionClock()

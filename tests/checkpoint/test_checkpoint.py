@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from asyncrl import (
-    ConfigError, DropReason, FinishReason, Prompt, QueueConfig, Rollout, RolloutGroup, RolloutSender, Sample,
-    VersionClock, VersionSpan, create_rollout_queue,
+    ConfigError, DropReason, FinishReason, Prompt, QueueConfig, Rollout, RolloutGroup, Sample, VersionClock,
+    VersionSpan,
 )
+from asyncrl.queues import RolloutSender, create_rollout_queue
 from asyncrl.actors.learner import Learner
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.checkpoint import (

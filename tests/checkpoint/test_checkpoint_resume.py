@@ -23,6 +23,7 @@ from asyncrl.checkpoint.store import MANIFEST_FILE
 from asyncrl.config import SyncConfig
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.weights import WEIGHTS_FILE
+from asyncrl.groups import RewardGroups
 from tests.support.checkpoint import SCRIPT, script
 
 
@@ -35,7 +36,8 @@ async def test_resume_pipeline_continues_step_version_data_and_books(tmp_path):
     data = script.make_items(500)
     ckpt_cfg = CheckpointConfig(tmp_path, every_steps=2, keep=2)
     async with Checkpointer(ckpt_cfg) as ckpt:
-        pipe, state = await resume_pipeline(FakeEngine(), torch.nn.Linear(4, 1), data, script.reward, fake_config(),
+        pipe, state = await resume_pipeline(FakeEngine(), torch.nn.Linear(4, 1), data, RewardGroups(script.reward),
+                                            fake_config(),
                                             checkpoint=None, checkpointer=ckpt, loss=script.RegressionLoss())
         assert state is None
         await pipe.run(6)
@@ -45,7 +47,8 @@ async def test_resume_pipeline_continues_step_version_data_and_books(tmp_path):
     engine = FakeEngine()
     model, loss = torch.nn.Linear(4, 1), script.RegressionLoss()
     async with Checkpointer(ckpt_cfg) as ckpt:
-        pipe, state = await resume_pipeline(engine, model, data, script.reward, fake_config(), checkpoint=saved,
+        pipe, state = await resume_pipeline(engine, model, data, RewardGroups(script.reward), fake_config(),
+                                            checkpoint=saved,
                                             checkpointer=ckpt, loss=loss)
         assert engine.version == pipe.learner.version == 6
         assert all(torch.equal(engine.weights[k], v) for k, v in model.state_dict().items())
@@ -216,7 +219,7 @@ async def test_resume_on_the_real_engine_publishes_the_restored_weights(vllm_eng
     ckpt_cfg = CheckpointConfig(tmp_path, every_steps=1, keep=2)
     kw = dict(pad_id=tokenizer.pad_token_id, close_engine=False)
     async with Checkpointer(ckpt_cfg) as ckpt:
-        pipe, _ = await resume_pipeline(vllm_engine, load_hf_model(tiny_model_dir), data, reward, cfg,
+        pipe, _ = await resume_pipeline(vllm_engine, load_hf_model(tiny_model_dir), data, RewardGroups(reward), cfg,
                                         checkpoint=None, checkpointer=ckpt, **kw)
         start = pipe.learner.version  # the session engine may have synced before
         await pipe.run(2)
@@ -228,7 +231,7 @@ async def test_resume_on_the_real_engine_publishes_the_restored_weights(vllm_eng
     await vllm_engine._set_version(0)  # versions never go back, except in an engine started afresh
     model = load_hf_model(tiny_model_dir)
     async with Checkpointer(ckpt_cfg) as ckpt:
-        pipe, state = await resume_pipeline(vllm_engine, model, data, reward, cfg, checkpoint=saved,
+        pipe, state = await resume_pipeline(vllm_engine, model, data, RewardGroups(reward), cfg, checkpoint=saved,
                                             checkpointer=ckpt, **kw)
         assert state.step == 2 and vllm_engine.version == pipe.learner.version == start + 2
 

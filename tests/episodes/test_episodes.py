@@ -10,14 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from asyncrl import (
-    AbortPolicy, DropReason, EpisodeConfig, ProducerConfig, Prompt, RolloutDropped, SamplingConfig,
-    StepResult, ToolBox, ToolCall, ToolEnv,
-)
+from asyncrl import AbortPolicy, DropReason, EpisodeConfig, ProducerConfig, Prompt, RolloutDropped, SamplingConfig
+from asyncrl.episodes import StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.actors.producer import Producer
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.episodes import EpisodeRunner, TrajectoryBuilder, model_token_ids, turn_slices
+from asyncrl.episodes import EpisodeGroups, EpisodeRunner, TrajectoryBuilder, model_token_ids, turn_slices
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 from tests.support.episodes import ENV_IDS, PROMPT, ScriptedEnv
 
@@ -186,17 +184,17 @@ async def test_producer_counts_episode_drops_and_keeps_going():
     sent = []
 
     class Sink:
-        async def send(self, group):
+        async def send(self, group, *, ticket=None):
             sent.append(group)
             return True
 
     prompts = PromptSource([PROMPT, replace(PROMPT, prompt_id="p1")])
     calls = iter([FloodingEnv(), FloodingEnv(), ScriptedEnv(), ScriptedEnv()])
     cfg = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=2), episode=EpisodeConfig(max_env_tokens=8))
-    producer = Producer(FakeEngine(), prompts, None, Sink(), cfg, env=lambda p: next(calls))
+    producer = Producer(FakeEngine(), prompts, EpisodeGroups(lambda p: next(calls)), Sink(), cfg)
     await producer.run()
     assert producer.counters.dropped == {DropReason.ENV_OUTPUT_TOO_LONG: 1} and len(sent) == 1
-    assert producer.metrics()["episode/episodes"] == 2
+    assert producer.groups.metrics()["episode/episodes"] == 2
 
 
 # ------------------------------------------------------------------------------------------------ tools

@@ -14,7 +14,7 @@ from asyncrl.actors.producer import Producer
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.episodes import model_token_ids, turn_slices
+from asyncrl.episodes import EpisodeGroups, model_token_ids, turn_slices
 from asyncrl.queues.wire import WireError, group_from_json, group_to_json
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.types import FinishReason, Rollout, RolloutGroup, Sample, Trajectory, VersionSpan
@@ -27,16 +27,17 @@ async def test_rewards_are_the_environments_plus_a_trajectory_reward():
     sent = []
 
     class Sink:
-        async def send(self, group):
+        async def send(self, group, *, ticket=None):
             sent.append(group)
             return True
 
     cfg = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=2))
     reward = lambda prompt, trajectory: float(len(model_token_ids(trajectory)))  # noqa: E731
-    producer = Producer(FakeEngine(), PromptSource([PROMPT]), reward, Sink(), cfg, env=lambda p: ScriptedEnv())
+    producer = Producer(FakeEngine(), PromptSource([PROMPT]), EpisodeGroups(lambda p: ScriptedEnv(), reward), Sink(),
+                        cfg)
     await producer.run()
     assert sent[0].rewards == (1.5 + 6.0, 1.5 + 6.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="must be a GroupMaker"):
         Producer(FakeEngine(), PromptSource([PROMPT]), None, Sink(), cfg)
 
 
@@ -55,8 +56,8 @@ async def test_pipeline_trains_on_episodes_and_reports_episode_metrics():
                             queue=QueueConfig(capacity=4), learner=LearnerConfig(batch_groups=2,
                                                                                  skip_inert_groups=False))
     rows = []
-    pipe = grpo_pipeline(FakeEngine(vocab_size=TinyLM.VOCAB), model, [PROMPT] * 8, None, config,
-                         loss=MaskLoss(LossConfig()), env=lambda p: ScriptedEnv(turns=2))
+    pipe = grpo_pipeline(FakeEngine(vocab_size=TinyLM.VOCAB), model, [PROMPT] * 8,
+                         EpisodeGroups(lambda p: ScriptedEnv(turns=2)), config, loss=MaskLoss(LossConfig()))
     pipe.learner.hooks.append(lambda step, metrics: rows.append(dict(metrics)))
     result = await pipe.run(steps=2)
     assert result.steps == 2 and result.unaccounted == 0

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from asyncrl import (
-    DropReason, EpisodeConfig, ProducerConfig, Prompt, SamplingConfig, StepResult, SyncConfig,
-    ToolBox, ToolCall, ToolEnv, VersionClock, WeightSync,
+    DropReason, EpisodeConfig, ProducerConfig, Prompt, SamplingConfig, SyncConfig, VersionClock, WeightSync,
 )
+from asyncrl.episodes import StepResult, ToolBox, ToolCall, ToolEnv
 from asyncrl.actors.producer import Producer
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs
 from asyncrl.data import PromptSource
 from asyncrl.engines.weights import state_dict_for_engine
-from asyncrl.episodes import EpisodeRunner, model_token_ids, turn_slices
+from asyncrl.episodes import EpisodeGroups, EpisodeRunner, model_token_ids, turn_slices
 from asyncrl.queues.wire import group_from_json, group_to_json
 from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, Sample
 from tests.support import load_hf_model, perturb
@@ -247,11 +247,11 @@ async def test_failing_environment_is_a_counted_drop_without_a_hang(vllm_engine,
         return envs[-1]
 
     class Sink:
-        async def send(self, group):
+        async def send(self, group, *, ticket=None):
             raise AssertionError("a failed group must not be sent")
 
     cfg = _config(2, 40, env_timeout_s=1.0, max_env_tokens=16)
-    producer = Producer(vllm_engine, PromptSource([]), None, Sink(), cfg, env=factory)
+    producer = Producer(vllm_engine, PromptSource([]), EpisodeGroups(factory), Sink(), cfg)
     async with asyncio.timeout(30):
         assert await producer.produce_one(0, _prompt(tokenizer)) is None
     assert producer.counters.dropped == {reason: 1}

@@ -30,6 +30,7 @@ from asyncrl.engines.common import RESTORE_ATTEMPTS, finish_reason, restore_good
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.supervisor import SupervisedEngine
 from asyncrl.recipes import grpo_pipeline
+from asyncrl.groups import RewardGroups
 from tests.support.pipelines import LoopLag, RecordingLoss, config, prompts, slow_reward
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_blocking_reward_does_not_stall_the_event_loop():
-    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), prompts(1000), slow_reward,
+    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), prompts(1000),
+                         RewardGroups(slow_reward),
                          config(inflight=4, n=2), loss=RecordingLoss())
     async with LoopLag() as lag:
         result = await pipe.run(steps=4)
@@ -55,7 +57,8 @@ async def test_a_reward_past_its_timeout_is_a_counted_drop():
 
     cfg = config()
     cfg = dataclasses.replace(cfg, producer=dataclasses.replace(cfg.producer, reward_timeout_s=0.2))
-    result = await asyncio.wait_for(grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(20), stuck, cfg,
+    result = await asyncio.wait_for(grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(20),
+                                                  RewardGroups(stuck), cfg,
                                                   loss=RecordingLoss()).run(steps=None), 30)
     assert result.dropped.get(DropReason.REWARD_TIMEOUT.value) == 1
     assert result.unaccounted == 0
@@ -73,7 +76,7 @@ async def test_rewards_that_hang_in_their_threads_stop_the_run():
                                                                 reward_threads=2))
     try:
         with pytest.raises(NoProgressError, match="reward function hangs"):
-            await grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(100), hangs, cfg,
+            await grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(100), RewardGroups(hangs), cfg,
                                 loss=RecordingLoss()).run(steps=3)
     finally:
         gate.set()
@@ -86,18 +89,19 @@ def test_grpo_with_one_sample_per_group_is_refused():
     from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 
     with pytest.raises(ConfigError, match="SamplingConfig.n") as err:
-        grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), lambda p, s: 1.0, config(n=1))
+        grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), RewardGroups(lambda p, s: 1.0), config(n=1))
     assert "at least 2" in str(err.value)
     with pytest.raises(ConfigError, match="SamplingConfig.n"):
-        grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), lambda p, s: 1.0, config(n=1),
+        grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), RewardGroups(lambda p, s: 1.0), config(n=1),
                       loss=GRPOLoss(LossConfig(estimator="rloo")))
     # A loss that learns from single samples may allow it.
-    grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), lambda p, s: 1.0, config(n=1),
+    grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(10), RewardGroups(lambda p, s: 1.0), config(n=1),
                   loss=RecordingLoss())
 
 
 async def test_a_run_whose_every_reward_is_nan_fails_saying_why():
-    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(30), lambda p, s: math.nan, config(),
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(30), RewardGroups(lambda p, s: math.nan),
+                         config(),
                          loss=RecordingLoss())
     with pytest.raises(NoProgressError, match=r"0 of 2 steps.*reward_invalid 30"):
         await pipe.run(steps=2)
@@ -112,7 +116,7 @@ async def test_an_endless_source_of_invalid_groups_fails_instead_of_spinning():
 
     cfg = config()
     cfg = dataclasses.replace(cfg, producer=dataclasses.replace(cfg.producer, max_consecutive_drops=50))
-    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), endless(), lambda p, s: math.inf, cfg,
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), endless(), RewardGroups(lambda p, s: math.inf), cfg,
                          loss=RecordingLoss())
     with pytest.raises(NoProgressError, match="last 50 groups were all dropped"):
         await asyncio.wait_for(pipe.run(steps=2), 30)
@@ -123,7 +127,8 @@ async def test_a_learner_starved_for_longer_than_its_stall_timeout_fails():
     cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, stall_timeout_s=0.5))
     engine = FakeEngine()
     await engine.pause(PauseMode.KEEP, clear_cache=False)  # nothing is ever generated
-    pipe = grpo_pipeline(engine, torch.nn.Linear(2, 2), prompts(30), lambda p, s: 1.0, cfg, loss=RecordingLoss())
+    pipe = grpo_pipeline(engine, torch.nn.Linear(2, 2), prompts(30), RewardGroups(lambda p, s: 1.0), cfg,
+                         loss=RecordingLoss())
     with pytest.raises(NoProgressError, match="stall_timeout_s=0.5"):
         await asyncio.wait_for(pipe.run(steps=2), 30)
 
@@ -227,7 +232,8 @@ async def test_a_checkpoint_during_an_overlapped_publication_records_the_exact_v
     engine = HeldLoad()
     cfg = config(max_staleness=4)
     cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, sync=SyncConfig(overlap=True)))
-    pipe = grpo_pipeline(engine, torch.nn.Linear(2, 2), prompts(200), lambda p, s: 1.0, cfg, loss=RecordingLoss())
+    pipe = grpo_pipeline(engine, torch.nn.Linear(2, 2), prompts(200), RewardGroups(lambda p, s: 1.0), cfg,
+                         loss=RecordingLoss())
     loop = asyncio.get_running_loop()
     async with Checkpointer(CheckpointConfig(tmp_path, every_steps=1)) as ckpt:
         # The publication after step 1 is held until 0.1 s after the hooks start: the checkpoint hook runs
@@ -346,7 +352,7 @@ async def test_a_non_finite_gradient_refuses_the_step_before_the_weights_change(
             out = super().compute(model, groups)
             return dataclasses.replace(out, loss=out.loss + model.weight.sum() * math.nan)
 
-    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(50), lambda p, s: 1.0, config(),
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(50), RewardGroups(lambda p, s: 1.0), config(),
                          loss=NanLoss())
     before = {k: v.clone() for k, v in pipe.learner.model.state_dict().items()}
     with pytest.raises(FloatingPointError, match="non-finite gradient norm"):
@@ -372,7 +378,8 @@ async def test_a_pipeline_lets_its_learner_thread_go(cancelled: bool):
         during.update(_learner_threads() - before)
         stepped.set()
 
-    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), prompts(1000), lambda p, s: 1.0,
+    pipe = grpo_pipeline(FakeEngine(token_delay_s=0.001), torch.nn.Linear(2, 2), prompts(1000),
+                         RewardGroups(lambda p, s: 1.0),
                          config(), loss=RecordingLoss())
     pipe.learner.hooks.append(seen)
     run = asyncio.create_task(pipe.run(steps=None if cancelled else 2))

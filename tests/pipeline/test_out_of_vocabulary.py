@@ -11,17 +11,19 @@ from dataclasses import replace
 import pytest
 
 from asyncrl import (
-    DropReason, EpisodeConfig, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, PromptRejected,
-    QueueConfig, RolloutDropped, SamplingConfig, StepResult, SyncConfig, grpo_pipeline,
+    DropReason, EpisodeConfig, LearnerConfig, PipelineConfig, ProducerConfig, Prompt, PromptRejected, QueueConfig,
+    RolloutDropped, SamplingConfig, SyncConfig, grpo_pipeline,
 )
+from asyncrl.episodes import StepResult
 from asyncrl.actors.producer import Producer
 from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.engines.pool import EnginePool
 from asyncrl.engines.supervisor import SupervisedEngine
-from asyncrl.episodes import EpisodeRunner
+from asyncrl.episodes import EpisodeGroups, EpisodeRunner
 from asyncrl.testing.tasks import arithmetic
 from asyncrl.types import Sample
+from asyncrl.groups import RewardGroups
 from tests.support.episodes import PROMPT, ScriptedEnv
 from tests.support import load_hf_model
 
@@ -32,7 +34,7 @@ class Sink:
     def __init__(self) -> None:
         self.sent = []
 
-    async def send(self, group):
+    async def send(self, group, *, ticket=None):
         self.sent.append(group)
         return True
 
@@ -63,7 +65,7 @@ async def test_an_environment_id_outside_the_vocabulary_drops_the_group_before_t
 async def test_a_prompt_outside_the_vocabulary_is_a_counted_drop_and_the_producer_goes_on():
     engine, sink = FakeEngine(vocab_size=100), Sink()
     prompts = PromptSource([Prompt("bad", (1, OOV, 3)), replace(PROMPT, prompt_id="good")])
-    producer = Producer(engine, prompts, lambda p, s: 1.0, sink, _config())
+    producer = Producer(engine, prompts, RewardGroups(lambda p, s: 1.0), sink, _config())
     await producer.run()
     assert producer.counters.dropped == {DropReason.OUT_OF_VOCABULARY: 1}
     assert [g.prompt.prompt_id for g in sink.sent] == ["good"]
@@ -113,8 +115,8 @@ async def test_out_of_vocabulary_ids_are_counted_drops_on_the_real_engine(vllm_e
         queue=QueueConfig(capacity=4, max_staleness=2),
         learner=LearnerConfig(batch_groups=2, lr=1e-5, skip_inert_groups=False, sync=SyncConfig(every=1)),
     )
-    pipe = grpo_pipeline(vllm_engine, load_hf_model(tiny_model_dir), prompts, None, config,
-                         pad_id=tokenizer.pad_token_id, close_engine=False, env=FlaggedEnv)
+    pipe = grpo_pipeline(vllm_engine, load_hf_model(tiny_model_dir), prompts, EpisodeGroups(FlaggedEnv), config,
+                         pad_id=tokenizer.pad_token_id, close_engine=False)
     result = await pipe.run(steps=2)
     assert result.steps == 2 and result.groups_trained == 4
     assert result.dropped.get("out_of_vocabulary") == 2, result.dropped

@@ -23,6 +23,7 @@ from asyncrl.engines.protocols import WeightUpdate
 from asyncrl.queues.rollout_queue import is_fresh, create_rollout_queue
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.types import FinishReason, PauseMode, Rollout, RolloutGroup, Sample, VersionSpan
+from asyncrl.groups import RewardGroups
 from tests.support.pipelines import RecordingLoss, SignallingSink, config, make_pipeline, prompts, tiny_model
 
 
@@ -69,7 +70,7 @@ class CountingBackend:
 async def test_grpo_pipeline_trains_through_a_given_backend():
     engine, cfg = FakeEngine(), config()
     backend = CountingBackend(cfg.learner)
-    pipe = grpo_pipeline(engine, None, prompts(100), lambda p, s: 1.0, cfg, backend=backend)
+    pipe = grpo_pipeline(engine, None, prompts(100), RewardGroups(lambda p, s: 1.0), cfg, backend=backend)
     stats = await pipe.run(steps=3)
     assert backend.steps == 3 and stats.version == 3 and stats.unaccounted == 0
     assert torch.equal(engine.weights["weight"], backend.model.weight.detach())
@@ -77,7 +78,8 @@ async def test_grpo_pipeline_trains_through_a_given_backend():
 
 def test_grpo_pipeline_refuses_a_model_beside_a_backend():
     with pytest.raises(ConfigError, match="grpo_pipeline.backend: the backend owns the model"):
-        grpo_pipeline(FakeEngine(), tiny_model(), prompts(1), None, config(), backend=CountingBackend(LearnerConfig()))
+        grpo_pipeline(FakeEngine(), tiny_model(), prompts(1), RewardGroups(lambda p, s: 1.0), config(),
+                      backend=CountingBackend(LearnerConfig()))
 
 
 async def test_stale_groups_never_reach_the_loss_and_are_counted():
@@ -191,7 +193,7 @@ async def test_abort_cut_samples_are_resubmitted_or_dropped():
     for policy, expect_drop in ((AbortPolicy.RESUBMIT, False), (AbortPolicy.DROP, True)):
         engine = FakeEngine(token_delay_s=0.005)
         sender, _receiver = create_rollout_queue(QueueConfig(capacity=4), VersionClock())
-        producer = Producer(engine, PromptSource(prompts(1)), lambda p, s: 1.0, sender,
+        producer = Producer(engine, PromptSource(prompts(1)), RewardGroups(lambda p, s: 1.0), sender,
                             ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=50), on_abort=policy))
         task = asyncio.create_task(producer.produce_one(0, prompts(1)[0]))
         await asyncio.wait_for(engine.token_produced.wait(), 10)
@@ -202,7 +204,7 @@ async def test_abort_cut_samples_are_resubmitted_or_dropped():
         if expect_drop:
             assert result is None and producer.counters.dropped[DropReason.ABORTED] == 1
         else:
-            assert result is not None and producer.counters.resubmitted == 2
+            assert result is not None and producer.counters.sampling.resubmitted == 2
             assert all(r.sample.finish_reason is FinishReason.LENGTH and r.sample.oldest_version == 1
                        for r in result.rollouts)
 

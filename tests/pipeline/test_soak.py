@@ -32,6 +32,7 @@ from asyncrl.actors.producer import Producer
 from asyncrl.queues import rollout_queue as queue_module
 from asyncrl.queues.rollout_queue import SEEN_IDS_LIMIT
 from asyncrl.recipes import grpo_pipeline
+from asyncrl.groups import RewardGroups
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "soak_cpu.json"
 SLACK_MIB = 2.0  # traced growth allowed outside the de-dup cache
@@ -196,7 +197,7 @@ def endless_prompts():
 async def fake_soak(steps: int, warmup: int, ckpt_dir: Path, every: int) -> Figures:
     cfg = PipelineConfig(producer=ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=4)),
                          queue=QueueConfig(capacity=8), learner=LearnerConfig(batch_groups=2), num_producers=2)
-    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(4, 1), endless_prompts(), lambda p, s: 1.0, cfg,
+    pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(4, 1), endless_prompts(), RewardGroups(lambda p, s: 1.0), cfg,
                          loss=SmallLoss())
     return await soak("fake", pipe, steps, warmup, ckpt_dir, every)
 
@@ -230,7 +231,8 @@ async def vllm_soak(engine, model_dir, tokenizer, steps: int, warmup: int, ckpt_
     def reward(prompt, sample):  # task reward plus a term that varies within groups, so gradients are not zero
         return arithmetic.reward(sample.text, prompt.answer) + 0.1 * (sum(sample.token_ids) % 2)
 
-    pipe = grpo_pipeline(engine, load_hf_model(model_dir), prompts(), reward, cfg, pad_id=tokenizer.pad_token_id,
+    pipe = grpo_pipeline(engine, load_hf_model(model_dir), prompts(), RewardGroups(reward), cfg,
+                         pad_id=tokenizer.pad_token_id,
                          close_engine=False)
     # Start the engine's own long-lived tasks (vLLM's output handler) before the task baseline is taken.
     await engine.generate((5, 6, 7), SamplingConfig(n=1, max_tokens=1), request_id="soak-warmup")

@@ -12,11 +12,11 @@ import torch
 from aiohttp import web
 
 from asyncrl import ProducerConfig, SamplingConfig
-from asyncrl.actors.rewards import RewardRejected
+from asyncrl.groups.scoring import RewardRejected
 from asyncrl.config import ConfigError
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.errors import NoProgressError
-from asyncrl.preference import HttpJudge, JudgeScorer, RewardModelJudge, judge_from_reward
+from asyncrl.preference import HttpJudge, JudgedGroups, RewardModelJudge, judge_from_reward
 from asyncrl.types import DropReason, FinishReason, Prompt, Sample, VersionSpan
 
 PROMPT = Prompt("p", (1, 2), "2+2=", answer="4")
@@ -129,18 +129,18 @@ async def test_http_judge_reads_a_winner_or_a_probability_and_raises_on_anything
 
 @pytest.mark.asyncio
 async def test_round_robin_scores_are_mean_win_probabilities():
-    scorer = JudgeScorer(by_length, producer_config())
+    scorer = JudgedGroups(by_length)
     samples = [sample("a", (1,)), sample("abc", (1, 2, 3)), sample("ab", (1, 2))]
-    scores, opponents = await scorer.score("g", PROMPT, samples)
+    scores, opponents = await scorer.score("g", PROMPT, samples, producer_config())
     assert scores == [0.0, 1.0, 0.5] and opponents == ()
     assert scorer.counters.comparisons == 3 and scorer.counters.groups == 1
 
 
 @pytest.mark.asyncio
 async def test_a_group_of_ties_is_dropped_and_counted_as_a_tie():
-    scorer = JudgeScorer(by_length, producer_config(n=2))
+    scorer = JudgedGroups(by_length)
     with pytest.raises(RewardRejected) as info:
-        await scorer.score("g", PROMPT, [sample("a"), sample("b")])
+        await scorer.score("g", PROMPT, [sample("a"), sample("b")], producer_config(n=2))
     assert info.value.reason is DropReason.PREFERENCE_TIE
     assert scorer.counters.ties == 1 and scorer.counters.groups == 0
 
@@ -148,9 +148,9 @@ async def test_a_group_of_ties_is_dropped_and_counted_as_a_tie():
 @pytest.mark.asyncio
 @pytest.mark.parametrize("value", [1.5, -0.1, math.nan, "a", None])
 async def test_a_judge_answer_that_is_not_a_probability_drops_the_group(value):
-    scorer = JudgeScorer(lambda p, a, b: value, producer_config(n=2))
+    scorer = JudgedGroups(lambda p, a, b: value)
     with pytest.raises(RewardRejected) as info:
-        await scorer.score("g", PROMPT, [sample("a"), sample("b")])
+        await scorer.score("g", PROMPT, [sample("a"), sample("b")], producer_config(n=2))
     assert info.value.reason is DropReason.JUDGE_INVALID and "not a probability" in str(info.value)
 
 
@@ -160,7 +160,7 @@ async def test_a_judge_that_raises_drops_the_group_as_judge_error():
         raise KeyError("model unavailable")
 
     with pytest.raises(RewardRejected) as info:
-        await JudgeScorer(judge, producer_config(n=2)).score("g", PROMPT, [sample("a"), sample("b")])
+        await JudgedGroups(judge).score("g", PROMPT, [sample("a"), sample("b")], producer_config(n=2))
     assert info.value.reason is DropReason.JUDGE_ERROR and "pairwise judge raised" in str(info.value)
 
 
@@ -172,18 +172,18 @@ async def test_a_judge_that_hangs_times_out_and_hung_threads_stop_the_run():
         await never.wait()
 
     with pytest.raises(RewardRejected) as info:
-        await JudgeScorer(hanging, producer_config(n=2, reward_timeout_s=0.2)).score("g", PROMPT,
-                                                                                     [sample("a"), sample("b")])
+        await JudgedGroups(hanging).score("g", PROMPT, [sample("a"), sample("b")],
+                                          producer_config(n=2, reward_timeout_s=0.2))
     assert info.value.reason is DropReason.JUDGE_TIMEOUT
 
     release = threading.Event()
-    scorer = JudgeScorer(lambda p, a, b: release.wait(30) and 1.0, producer_config(n=2, reward_timeout_s=0.2,
-                                                                                   reward_threads=1))
+    scorer = JudgedGroups(lambda p, a, b: release.wait(30) and 1.0)
+    limits = producer_config(n=2, reward_timeout_s=0.2, reward_threads=1)
     try:
         with pytest.raises(RewardRejected):
-            await scorer.score("g", PROMPT, [sample("a"), sample("b")])
+            await scorer.score("g", PROMPT, [sample("a"), sample("b")], limits)
         with pytest.raises(NoProgressError, match="pairwise judge hangs"):
-            await scorer.score("g", PROMPT, [sample("a"), sample("b")])
+            await scorer.score("g", PROMPT, [sample("a"), sample("b")], limits)
     finally:
         release.set()
 
@@ -191,12 +191,12 @@ async def test_a_judge_that_hangs_times_out_and_hung_threads_stop_the_run():
 @pytest.mark.asyncio
 async def test_against_an_opponent_each_completion_meets_one_of_the_opponents():
     opponent = FakeEngine(length_fn=lambda prompt, i: 2)
-    scorer = JudgeScorer(by_length, producer_config(n=3), opponent=opponent)
+    scorer = JudgedGroups(by_length, opponent=opponent)
     samples = [sample("a", (1,)), sample("abc", (1, 2, 3)), sample("ab", (1, 2))]
-    scores, opponents = await scorer.score("g", PROMPT, samples)
+    scores, opponents = await scorer.score("g", PROMPT, samples, producer_config(n=3))
     assert [len(o.token_ids) for o in opponents] == [2, 2, 2]
     assert scores == [0.0, 1.0, 0.5]
     m = scorer.metrics()
     assert m["judge/win_rate"] == pytest.approx(0.5) and m["judge/opponent_samples"] == 3
-    dropped = JudgeScorer(by_length, producer_config(n=3), opponent=opponent, keep_opponents=False)
-    assert (await dropped.score("g", PROMPT, samples))[1] == ()
+    dropped = JudgedGroups(by_length, opponent=opponent, keep_opponents=False)
+    assert (await dropped.score("g", PROMPT, samples, producer_config(n=3)))[1] == ()

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.config import ConfigError
-from asyncrl.preference import NashMDLoss, OnlineDPOLoss, PreferenceConfig, XPOLoss, dpo_losses, nash_md_losses
+from asyncrl.preference import (
+    OPPONENTS, NashMDLoss, OnlineDPOLoss, PreferenceConfig, XPOLoss, dpo_losses, nash_md_losses,
+)
 from asyncrl.types import FinishReason, Prompt, Rollout, RolloutGroup, Sample, VersionSpan
 from tests.support.algorithms import _model
 
@@ -90,8 +92,9 @@ def test_xpo_orients_each_pair_by_the_judge_and_adds_the_exploration_term(models
     beta, alpha = 0.2, 0.05
     refs = (sample([20, 21]), sample([22]))
     group = RolloutGroup("x", Prompt("x", (1, 2, 3)), (Rollout(sample([5, 6]), 1.0), Rollout(sample([7]), 0.0)),
-                         opponents=refs)
-    tied = RolloutGroup("t", Prompt("t", (4,)), (Rollout(sample([9, 9]), 0.5),), opponents=(sample([3]),))
+                         companions={OPPONENTS: refs})
+    tied = RolloutGroup("t", Prompt("t", (4,)), (Rollout(sample([9, 9]), 0.5),),
+                         companions={OPPONENTS: (sample([3]),)})
     out = XPOLoss(PreferenceConfig(beta=beta, alpha=alpha), ref).compute(policy, [group, tied])
     pairs = [([1, 2, 3], [5, 6], [20, 21]), ([1, 2, 3], [22], [7])]  # the second completion lost to the reference
     def margin(p, c, r):

@@ -13,7 +13,7 @@ import pytest_asyncio
 from asyncrl import ProducerConfig, SamplingConfig
 from asyncrl.config import ConfigError
 from asyncrl.engines.vllm_local import VLLMEngine
-from asyncrl.preference import MixtureSampler, PreferenceConfig, preference_pipeline
+from asyncrl.preference import OPPONENTS, MixtureSampler, PreferenceConfig, preference_pipeline
 from tests.support import engine_config, load_hf_model
 from tests.support.pipelines import pipeline_config, task_prompts
 
@@ -94,7 +94,7 @@ async def test_online_dpo_trains_on_best_and_worst_and_counts_what_the_judge_dro
                                                                                   tokenizer):
     pipe, seen, metrics = await run(vllm_engine, tiny_model_dir, tokenizer, "dpo")
     assert all(max(g.rewards) > min(g.rewards) for g in seen.groups)  # ties were dropped before the loss
-    assert all(not g.opponents for g in seen.groups)
+    assert all(not g.companions for g in seen.groups)
     assert {"pref/margin", "pref/kl", "pref/accuracy"} <= metrics[-1].keys()
     assert metrics[-1]["pref/pairs"] == 2  # a pair per group, two groups per step
 
@@ -110,7 +110,7 @@ async def reference_engine(tiny_model_dir):
 async def test_xpo_judges_against_a_frozen_reference_engine(vllm_engine, reference_engine, tiny_model_dir, tokenizer):
     version = reference_engine.version
     pipe, seen, metrics = await run(vllm_engine, tiny_model_dir, tokenizer, "xpo", opponent=reference_engine)
-    assert all(len(g.opponents) == len(g.rollouts) == 4 for g in seen.groups)
+    assert all(len(g.companions[OPPONENTS]) == len(g.rollouts) == 4 for g in seen.groups)
     assert reference_engine.version == version, "the reference is never published to"
     assert 0.0 <= metrics[-1]["judge/win_rate"] <= 1.0 and "loss/xpo_exploration" in metrics[-1]
 
@@ -126,7 +126,7 @@ async def test_nash_md_judges_against_a_mixture_that_follows_the_policy(vllm_eng
         mine = dict(mixture._policy.named_parameters())
         for name, p in pipe.learner.model.named_parameters():
             assert (mine[name] == p).all(), name
-        assert all(not g.opponents for g in seen.groups)  # Nash-MD needs only the verdicts
+        assert all(not g.companions for g in seen.groups)  # Nash-MD needs only the verdicts
         assert metrics[-1]["judge/opponent_s"] > 0 and "pref/win_prob" in metrics[-1]
     finally:
         mixture.close()

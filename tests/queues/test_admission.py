@@ -101,15 +101,32 @@ def pipeline_config(max_staleness: int, every: int = 1, overlap: bool = False, a
         learner=LearnerConfig(batch_groups=2, sync=SyncConfig(every=every, overlap=overlap)), num_producers=3)
 
 
+class TicketSpy:
+    """A producer's sink that notes the ticket each group is sent with."""
+
+    def __init__(self, inner, ticket_of: dict[str, int]) -> None:
+        self.inner, self.ticket_of = inner, ticket_of
+
+    async def send(self, group, *, ticket=None):
+        self.ticket_of[group.group_id] = ticket
+        return await self.inner.send(group, ticket=ticket)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 def recording_pipeline(lengths, cfg: PipelineConfig, seed: int):
     engine = FakeEngine(token_delay_s=0.0005, length_fn=lengths(random.Random(seed)))
     items = [Prompt(f"p{i}", (1, 2, 3), answer=i) for i in range(5000)]
     pipe = make_pipeline(engine, items, cfg, loss=RecordingLoss())
     tickets: list[int] = []
+    ticket_of: dict[str, int] = {}  # the admission ticket each group was sent with (the queue's envelope)
+    for producer in pipe.producers:
+        producer.sink = TicketSpy(producer.sink, ticket_of)
     original = pipe.learner.train_and_publish
 
     async def recording(batch):
-        tickets.extend(g.ticket for g in batch)
+        tickets.extend(ticket_of[g.group_id] for g in batch)
         return await original(batch)
 
     pipe.learner.train_and_publish = recording

@@ -11,6 +11,7 @@ import pytest
 from asyncrl import LearnerConfig, PauseMode, PipelineConfig, ProducerConfig, QueueConfig, SamplingConfig, SyncConfig
 from asyncrl.actors.producer import Producer
 from asyncrl.data import PromptSource
+from asyncrl.groups import RewardGroups
 from tests.support.pipelines import Recording, build, reward, task_prompts
 
 pytestmark = pytest.mark.vllm
@@ -55,7 +56,8 @@ async def test_a_long_group_started_in_time_crosses_publications_and_is_trained(
 
     short = pipe.producers[0]
     long_cfg = config(max_tokens=200, max_staleness=4).producer
-    pipe.producers.append(Producer(vllm_engine, PromptSource(one_long_prompt()), reward, short.sink.clone(), long_cfg,
+    pipe.producers.append(Producer(vllm_engine, PromptSource(one_long_prompt()), RewardGroups(reward),
+                                   short.sink.clone(), long_cfg,
                                    name="long", admission=short.admission))
     stats = await asyncio.wait_for(pipe.run(steps=10), 240)
     long_id = f"{long_prompt.prompt_id}#0"

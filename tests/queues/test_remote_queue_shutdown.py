@@ -20,6 +20,7 @@ from asyncrl.data import PromptSource
 from asyncrl.engines.fake import FakeEngine
 from asyncrl.queues.ingest_client import RemoteQueueClient, RemoteQueueClosed, RemoteQueueError
 from asyncrl.types import Prompt
+from asyncrl.groups import RewardGroups
 from tests.support.remote_queue import TOKEN, WAIT_S, make_group, serve, trace_events
 
 pytestmark = [pytest.mark.timeout(15), pytest.mark.filterwarnings("error")]
@@ -100,7 +101,7 @@ async def test_a_producer_finishes_when_the_learner_closes_the_remote_queue() ->
     items = (Prompt(f"p{i}", (1, 2, 3), answer=i) for i in range(10_000))
     config = ProducerConfig(sampling=SamplingConfig(n=2, max_tokens=3), max_inflight_groups=2)
     async with serve(capacity=4, version=0) as (receiver, server), RemoteQueueClient(server.url, TOKEN) as client:
-        producer = Producer(engine, PromptSource(items), lambda prompt, sample: 1.0, client, config)
+        producer = Producer(engine, PromptSource(items), RewardGroups(lambda prompt, sample: 1.0), client, config)
         running = asyncio.create_task(producer.run())
         batch = await receiver.receive_batch(3)
         receiver.close()  # the learner is done

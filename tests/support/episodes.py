@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from asyncrl import Prompt, StepResult
+from asyncrl import Prompt
+from asyncrl.episodes import StepResult
 from asyncrl.types import Sample
 
 PROMPT = Prompt("p0", (1, 2, 3), answer=7)

@@ -19,6 +19,7 @@ from asyncrl import (
 from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig, LossOutput
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.testing.tasks import arithmetic
+from asyncrl.groups import RewardGroups
 from tests.support import child_pids, load_hf_model
 
 # -- on the FakeEngine ------------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def tiny_model():
 
 def make_pipeline(engine, items, config, reward=lambda p, s: 1.0, loss=None):
     model = tiny_model()
-    pipe = grpo_pipeline(engine, model, items, reward, config, loss=loss or RecordingLoss())
+    pipe = grpo_pipeline(engine, model, items, RewardGroups(reward), config, loss=loss or RecordingLoss())
     if isinstance(pipe.learner.loss, RecordingLoss):
         pipe.learner.loss.version = lambda: pipe.learner.version
     return pipe
@@ -79,10 +80,10 @@ class SignallingSink:
     def __init__(self, sender, receiver, full: asyncio.Event) -> None:
         self.sender, self.receiver, self.full = sender, receiver, full
 
-    async def send(self, g):
+    async def send(self, g, *, ticket=None):
         if self.receiver.depth >= self.receiver.config.capacity:
             self.full.set()
-        return await self.sender.send(g)
+        return await self.sender.send(g, ticket=ticket)
 
     async def aclose(self) -> None:
         await self.sender.aclose()
@@ -129,7 +130,7 @@ class Recording(GRPOLoss):
 
 
 def build(engine, model_dir, tokenizer, config, loss=None, reward_fn=reward, close_engine=False):
-    pipe = grpo_pipeline(engine, load_hf_model(model_dir), task_prompts(tokenizer), reward_fn, config,
+    pipe = grpo_pipeline(engine, load_hf_model(model_dir), task_prompts(tokenizer), RewardGroups(reward_fn), config,
                          loss=loss, pad_id=tokenizer.pad_token_id, close_engine=close_engine)
     if isinstance(loss, Recording):
         loss.learner = pipe.learner

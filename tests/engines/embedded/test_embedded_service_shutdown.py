@@ -28,6 +28,7 @@ from asyncrl.queues.ingest_server import IngestServerConfig, RolloutIngestServer
 from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import PauseMode, Prompt, RolloutGroup
 from asyncrl.versions import VersionClock
+from asyncrl.groups import RewardGroups
 from tests.support.embedded import TOKEN, WAIT_S, CheckedFakeEngine, call, control_server, model_with_weights, weights
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -155,7 +156,7 @@ async def test_the_learner_closing_its_queue_ends_the_service_producer_then_its_
     async def produce() -> None:  # starts before the learner listens: its first posts are refused and retried
         async with RemoteQueueClient(ingest_url, TOKEN, backoff_s=0.05, max_retries=50, max_backoff_s=0.2) as sink:
             sinks.append(sink)
-            await Producer(engine, PromptSource(items), lambda p, s: 1.0, sink, producer_config).run()
+            await Producer(engine, PromptSource(items), RewardGroups(lambda p, s: 1.0), sink, producer_config).run()
 
     async with control_server(None) as (url, control):
         service = asyncio.create_task(rollouts(control, engine, produce))

@@ -20,6 +20,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.errors import ConfigError
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.types import PauseMode
+from asyncrl.groups import RewardGroups
 from tests.support import engine_config, load_hf_model, perturb
 from tests.support.pipelines import reward, task_prompts
 from tests.support.vllm_engine import PARITY_ATOL, _max_diff, _prompt
@@ -117,7 +118,8 @@ def synchronous_pipeline(target, tiny_model_dir, tokenizer):
         queue=QueueConfig(capacity=2, max_staleness=0),
         learner=LearnerConfig(batch_groups=2, lr=1e-4, skip_inert_groups=False, sync=SyncConfig(every=2)),
     )
-    return grpo_pipeline(target, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), reward, config,
+    return grpo_pipeline(target, load_hf_model(tiny_model_dir), task_prompts(tokenizer, 50), RewardGroups(reward),
+                         config,
                          pad_id=tokenizer.pad_token_id, close_engine=False)
 
 

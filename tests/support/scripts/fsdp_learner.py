@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from asyncrl.examples import distributed_grpo as example  # noqa: E402
+from asyncrl.groups import RewardGroups
 
 SEQS = [[1, 5, 17, 33, 9, 60, 61, 4, 21, 88, 3, 44], [1, 70, 2, 71, 15, 15, 15, 90, 6, 7, 8, 9]]
 
@@ -55,7 +56,7 @@ async def lead(args: argparse.Namespace, out: Path, backend) -> dict:  # type: i
         pool = await example.connect(args, args.servers.split(","), backend.ctx.local_rank)
     losses: list[float] = []
     norms: list[float] = []
-    pipe = sharded_pipeline(pool, backend, example.prompts(args), example.reward_fn(args),
+    pipe = sharded_pipeline(pool, backend, example.prompts(args), RewardGroups(example.reward_fn(args)),
                             example.pipeline_config(args), close_engine=False)
     pipe.learner.hooks.append(lambda step, m: (losses.append(m["loss/total"]), norms.append(m["train/grad_norm"]),
                                                print(json.dumps({"event": "step", "step": step}), flush=True)))

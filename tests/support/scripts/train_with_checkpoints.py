@@ -32,6 +32,7 @@ from asyncrl import (
 from asyncrl.algorithms.losses import Loss, LossOutput
 from asyncrl.checkpoint import CheckpointConfig, Checkpointer, latest, resume_pipeline
 from asyncrl.engines.fake import FakeEngine
+from asyncrl.groups import RewardGroups
 
 _print_lock = threading.Lock()
 
@@ -132,7 +133,8 @@ async def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"--resume: no complete checkpoint in {args.dir}")
     start = checkpoint.meta["cursor"] if checkpoint else 0
     async with ScriptCheckpointer(ckpt_cfg, args.pause_write_at) as ckpt:
-        pipe, state = await resume_pipeline(engine, model, handed_out(make_items(), start), reward, config(),
+        pipe, state = await resume_pipeline(engine, model, handed_out(make_items(), start), RewardGroups(reward),
+                                            config(),
                                             checkpoint=checkpoint, checkpointer=ckpt, loss=loss)
         if state is not None:
             emit(event="resumed", step=state.step, version=pipe.learner.version, cursor=state.cursor,
