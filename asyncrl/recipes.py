@@ -120,7 +120,6 @@ def check_engine_fits(engine: Engine, model: torch.nn.Module | None, config: Pip
         raise ConfigError("SamplingConfig.max_tokens", f"max_tokens={max_tokens} leaves no room for a prompt in "
                                                        f"{engine.name}'s context of {context} tokens (max_model_len)")
     precision, learner = engine.behaviour_precision, learner_dtype(model, config.learner)
-    pairing = precision_pairing(engine, model, config.learner)
     if precision is None or learner is None:
         return None
     if precision.dtype != learner and not precision.quantized and not config.allow_dtype_mismatch:
@@ -130,6 +129,7 @@ def check_engine_fits(engine: Engine, model: torch.nn.Module | None, config: Pip
             f"(VLLMEngineConfig(dtype='{learner}')), or train in the engine's (LearnerConfig(autocast="
             f"'{precision.dtype}'), or the model loaded in {precision.dtype}); or accept the gap with "
             f"PipelineConfig(allow_dtype_mismatch=True)"))
+    pairing = precision_pairing(engine, model, config.learner)
     if precision.dtype != learner or precision.quantized:
         log.info("precision: %s", pairing)
     return pairing

@@ -91,10 +91,6 @@ class SleepTransport(Transport):
 
     kind = "sleep"
 
-    @property
-    def accepts(self) -> frozenset[UpdateKind]:
-        return self._awake.accepts
-
     def __init__(self, engine: str, awake: AwakeTransport, control: SleepControl,
                  manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> None:
         self._engine = engine
@@ -106,6 +102,10 @@ class SleepTransport(Transport):
         self._weights_resident = True  # weights mapped in GPU memory
         self._weights_lost = False  # level 2: discarded and not loaded again yet
         self.counters = SleepCounters()
+
+    @property
+    def accepts(self) -> frozenset[UpdateKind]:
+        return self._awake.accepts
 
     @property
     def asleep(self) -> bool:
