@@ -5,6 +5,7 @@ A trainer is a group maker plus a loss: GRPO is ``RewardGroups`` (or ``EpisodeGr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterable, Iterable
 
 import torch
@@ -17,8 +18,13 @@ from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
 from asyncrl.algorithms.reference import Reference
 from asyncrl.config import ConfigError, LearnerConfig, PipelineConfig
 from asyncrl.data import PromptSource
+<<<<<<< HEAD
 from asyncrl.engines.protocols import Engine, WeightTarget
 from asyncrl.groups.maker import GroupMaker
+=======
+from asyncrl.engines.protocols import Engine, Sampler, WeightTarget
+from asyncrl.episodes.types import EnvFactory
+>>>>>>> weights36
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
 from asyncrl.queues.admission import OPEN, AdmissionGate
@@ -26,6 +32,15 @@ from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
 
+<<<<<<< HEAD
+=======
+if TYPE_CHECKING:
+    from asyncrl.preference.scoring import JudgeScorer
+    from asyncrl.agents.runner import AgentRunner
+
+log = logging.getLogger(__name__)
+
+>>>>>>> weights36
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
                   PromptSource, groups: GroupMaker, config: PipelineConfig | None = None, *,
@@ -99,21 +114,41 @@ def check_group_size(loss: Loss, config: PipelineConfig) -> None:
                                               f"{loss.min_group_size} samples to learn anything, got n={n}")
 
 
-def check_engine_fits(engine: Engine, model: torch.nn.Module | None, config: PipelineConfig) -> None:
+def check_engine_fits(engine: Engine, model: torch.nn.Module | None, config: PipelineConfig) -> str | None:
     """Refuse what would otherwise pass silently: completions longer than the engine's context, and an engine
-    sampling in another precision than the learner computes in (after autocast)."""
+    sampling in another plain dtype than the learner computes in (after autocast) by accident. An engine that
+    declares a quantization (``BehaviourPrecision.quantized``) differs on purpose: its pairing with the learner
+    is accepted, logged at INFO and returned (``precision_pairing``), and the importance weights correct the gap."""
     max_tokens, context = config.producer.sampling.max_tokens, engine.max_model_len
     if max_tokens >= context:
         raise ConfigError("SamplingConfig.max_tokens", f"max_tokens={max_tokens} leaves no room for a prompt in "
                                                        f"{engine.name}'s context of {context} tokens (max_model_len)")
-    serving, learner = engine.serving_dtype, learner_dtype(model, config.learner)
-    if serving is None or learner is None or serving == learner or config.allow_dtype_mismatch:
-        return
-    raise ConfigError("PipelineConfig.allow_dtype_mismatch", (
-        f"{engine.name} samples in {serving} but the learner computes in {learner}: the importance ratios would "
-        f"measure that gap, not staleness. Start the engine in the learner's precision (VLLMEngineConfig(dtype="
-        f"'{learner}')), or train in the engine's (LearnerConfig(autocast='{serving}'), or the model loaded in "
-        f"{serving}); or accept the gap with PipelineConfig(allow_dtype_mismatch=True)"))
+    precision, learner = engine.behaviour_precision, learner_dtype(model, config.learner)
+    if precision is None or learner is None:
+        return None
+    if precision.dtype != learner and not precision.quantized and not config.allow_dtype_mismatch:
+        raise ConfigError("PipelineConfig.allow_dtype_mismatch", (
+            f"{engine.name} samples in {precision.dtype} but the learner computes in {learner}: the importance "
+            f"ratios would measure that gap, not staleness. Start the engine in the learner's precision "
+            f"(VLLMEngineConfig(dtype='{learner}')), or train in the engine's (LearnerConfig(autocast="
+            f"'{precision.dtype}'), or the model loaded in {precision.dtype}); or accept the gap with "
+            f"PipelineConfig(allow_dtype_mismatch=True)"))
+    pairing = precision_pairing(engine, model, config.learner)
+    if precision.dtype != learner or precision.quantized:
+        log.info("precision: %s", pairing)
+    return pairing
+
+
+def precision_pairing(engine: Sampler, model: torch.nn.Module | None, config: LearnerConfig) -> str | None:
+    """How the engine's behaviour precision pairs with the learner's, in words (None where either is unknown):
+    what ``check_engine_fits`` logs and returns, for a run to report."""
+    precision, learner = engine.behaviour_precision, learner_dtype(model, config)
+    if precision is None or learner is None:
+        return None
+    if precision.dtype == learner and not precision.quantized:
+        return f"{engine.name} samples in {learner}, as the learner computes"
+    return (f"{engine.name} samples in {precision.describe()}, the learner computes in {learner}: the importance "
+            f"weights correct the gap")
 
 
 def learner_dtype(model: torch.nn.Module | None, config: LearnerConfig) -> str | None:

@@ -27,7 +27,7 @@ import torch
 from asyncrl.aio import settle
 from asyncrl.config import SyncConfig
 from asyncrl.engines.protocols import WeightTarget, WeightUpdate
-from asyncrl.engines.updates import WeightSource, as_source, model_source
+from asyncrl.engines.updates import WeightSource, as_source
 from asyncrl.types import PauseMode, SyncTiming
 from asyncrl.versions import VersionClock
 
@@ -173,6 +173,5 @@ async def publish(target: WeightTarget, weights: torch.nn.Module | WeightSource 
     a cancellation waits for a load under way and comes through as ``CancelledError``. Raises
     ``WeightUpdateError`` (nothing applied) or ``EngineError``. One publication at a time per target: callers
     that publish concurrently share one ``WeightSync`` instead."""
-    source = model_source(weights) if isinstance(weights, torch.nn.Module) else weights
     sync = WeightSync(target, VersionClock(target.version), SyncConfig(mode=mode, clear_cache=clear_cache))
-    return (await sync.publish(source)).version
+    return (await sync.publish(as_source(weights))).version

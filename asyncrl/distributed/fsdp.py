@@ -35,7 +35,7 @@ from asyncrl.distributed.lora import check_optimizer, full_adapter_state, same_a
 from asyncrl.distributed.partition import RankShard, plan_batch
 from asyncrl.distributed.publication import DEFAULT_BUCKET_BYTES, full_buckets, stage_buckets
 from asyncrl.distributed.ranks import ControlChannel, DistributedError, RankContext, guarded
-from asyncrl.engines.updates import AdapterWeights, ShardedBuckets, WeightSource
+from asyncrl.engines.updates import AdapterWeights, ShardedBuckets, UpdateKind, WeightSource
 from asyncrl.engines.weights import StagedTensors
 from asyncrl.lora.config import LoraConfig
 from asyncrl.lora.model import adapter_config, apply_lora, is_lora
@@ -117,7 +117,9 @@ class FSDPBackend:
         self.channel = ControlChannel(ctx)
         self.stopped = False
         self._handed_out: dict[int, StagedTensors] = {}  # staged publications not released yet, by id
-        if is_lora(model):
+        # What a publication carries, declared once: a LoRA policy its adapter alone, any other every weight.
+        self.publishes = UpdateKind.ADAPTER if is_lora(model) else UpdateKind.FULL
+        if self.publishes is UpdateKind.ADAPTER:
             check_optimizer(model, optimizer)
         prepare_model(model, config)  # on every rank: a recomputed block gathers its shards again, a collective
 
@@ -138,13 +140,13 @@ class FSDPBackend:
     def publication_state(self) -> ShardedBuckets | AdapterWeights:
         """A LoRA policy publishes its adapter alone (``adapter_publication_state``); any other, every weight
         gathered bucket by bucket and staged by rank 0."""
-        if is_lora(self.model):
+        if self.publishes is UpdateKind.ADAPTER:
             return AdapterWeights(self.adapter_publication_state(), adapter_config(self.model))
         with self._command():
             self.channel.scatter([Gather(self.bucket_bytes)] * self.ctx.world_size)
             staged = guarded(self.ctx, "gathering weights", lambda: stage_buckets(
                 full_buckets(self.model, self.bucket_bytes), self.publish_dtype, self.staging_dir))
-        self._handed_out[id(staged)] = staged
+        self._handed_out[id(staged.staged)] = staged
         return ShardedBuckets(staged)
 
     def adapter_publication_state(self) -> dict[str, torch.Tensor]:
@@ -152,7 +154,7 @@ class FSDPBackend:
         under PEFT's adapter-file names, as ``asyncrl.lora.adapter_state`` names them on the unsharded model.
         Rank 0 calls it; the other ranks gather with it from ``serve`` (a collective). ``TypeError`` for a
         model without an adapter."""
-        if not is_lora(self.model):
+        if self.publishes is not UpdateKind.ADAPTER:
             raise TypeError(f"adapter_publication_state needs a LoRA model (shard_model(..., lora=...)), got "
                             f"{type(self.model).__name__}")
         return self.call(_gather_adapter)  # type: ignore[return-value]
@@ -162,8 +164,8 @@ class FSDPBackend:
 
     def release(self, source: WeightSource) -> None:
         """Let go of a staging this backend handed out (every full publication is one; released once)."""
-        if isinstance(source, ShardedBuckets):
-            self._handed_out.pop(id(source.buckets)).release()
+        if source.files is not None:  # an adapter is held in memory: nothing was staged for it
+            self._handed_out.pop(id(source.files)).release()
 
     def score(self, token_ids: Sequence[int]) -> list[float]:
         """Every rank runs the forward (a collective); rank 0's log-probs."""

@@ -5,11 +5,13 @@ restarts a dead engine, and an in-memory fake for tests. ``state_dict_for_engine
 transformers model as an engine takes them."""
 
 from asyncrl.engines.protocols import (
-    Engine, EngineError, Lifecycle, PromptRejected, Sampler, WeightTarget, WeightUpdate, WeightUpdateError,
+    BehaviourPrecision, Engine, EngineError, Lifecycle, PromptRejected, Sampler, WeightTarget, WeightUpdate,
+    WeightUpdateError,
 )
-from asyncrl.engines.updates import AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, WeightSource
+from asyncrl.engines.updates import (AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, UpdateKind,
+                                     WeightSource)
 from asyncrl.engines.weights import state_dict_for_engine
 
-__all__ = ["AdapterWeights", "Engine", "EngineError", "InMemory", "Lifecycle", "PromptRejected", "Sampler",
-           "ShardedBuckets", "StagedDirectory", "WeightSource", "WeightTarget", "WeightUpdate", "WeightUpdateError",
-           "state_dict_for_engine"]
+__all__ = ["AdapterWeights", "BehaviourPrecision", "Engine", "EngineError", "InMemory", "Lifecycle",
+           "PromptRejected", "Sampler", "ShardedBuckets", "StagedDirectory", "UpdateKind", "WeightSource",
+           "WeightTarget", "WeightUpdate", "WeightUpdateError", "state_dict_for_engine"]

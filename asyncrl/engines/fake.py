@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.death import Death
-from asyncrl.engines.protocols import Engine, EngineError, PromptRejected, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import (BehaviourPrecision, Engine, EngineError, PromptRejected, WeightUpdate,
+                                       WeightUpdateError)
 from asyncrl.types import FinishReason, PauseMode, Sample, VersionSpan
 
 
@@ -25,9 +26,9 @@ class FakeEngine(Engine):
     def __init__(self, *, token_delay_s: float = 0.0, max_model_len: int = 256, logprob: float = -1.0,
                  vocab_size: int = 100, name: str = "fake",
                  length_fn: Callable[[tuple[int, ...], int], int] | None = None,
-                 serving_dtype: str | None = None) -> None:
+                 precision: BehaviourPrecision | None = None) -> None:
         self.name = name
-        self._serving_dtype = serving_dtype
+        self._precision = precision
         self.length_fn = length_fn
         self._version = 0
         self._max_model_len = max_model_len
@@ -67,8 +68,8 @@ class FakeEngine(Engine):
         return self._max_model_len
 
     @property
-    def serving_dtype(self) -> str | None:
-        return self._serving_dtype
+    def behaviour_precision(self) -> BehaviourPrecision | None:
+        return self._precision
 
     @property
     def vocab_size(self) -> int:

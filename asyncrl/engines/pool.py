@@ -26,7 +26,7 @@ from pydantic import Field
 from asyncrl.aio import settle
 from asyncrl.config import SamplingConfig
 from asyncrl.config_base import Flag, config
-from asyncrl.engines.protocols import Engine, EngineError, Sampler, WeightUpdate, WeightUpdateError
+from asyncrl.engines.protocols import BehaviourPrecision, Engine, EngineError, Sampler, WeightUpdate, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,9 @@ class EnginePool(Engine):
         return min(m.engine.max_model_len for m in self._members)
 
     @property
-    def serving_dtype(self) -> str | None:
+    def behaviour_precision(self) -> BehaviourPrecision | None:
         """The members' precision when they all know and agree on it, else None (unknown)."""
-        found = {m.engine.serving_dtype for m in self._members}
+        found = {m.engine.behaviour_precision for m in self._members}
         return found.pop() if len(found) == 1 else None
 
     @property
@@ -331,7 +331,7 @@ class _SessionSampler(Sampler):
     version = property(lambda self: self.pool.version)
     max_model_len = property(lambda self: self.pool.max_model_len)
     vocab_size = property(lambda self: self.pool.vocab_size)
-    serving_dtype = property(lambda self: self.pool.serving_dtype)
+    behaviour_precision = property(lambda self: self.pool.behaviour_precision)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from asyncrl.config import SamplingConfig
@@ -27,8 +28,33 @@ from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.errors import ConfigError, EngineError, PromptRejected, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
-__all__ = ["Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler", "StagedInEngine",
-           "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
+__all__ = ["BehaviourPrecision", "Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler",
+           "StagedInEngine", "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
+
+
+@dataclass(frozen=True, slots=True)
+class BehaviourPrecision:
+    """The numerics an engine samples in, and so the ones its behaviour log-probs carry. A declared quantization
+    (of the weights or the KV cache) makes sampling differ from the learner's numerics on purpose: the importance
+    weights then correct the gap, as they correct staleness (``recipes.check_engine_fits`` reports the pairing)."""
+
+    dtype: str  # the weights' compute dtype as the engine resolved it ("bfloat16", "float32"...)
+    quantization: str | None = None  # the weights' quantization method (vLLM's name: "fp8"...); None: none
+    kv_cache_dtype: str | None = None  # the KV cache's dtype where it is not ``dtype`` ("fp8"...); None: ``dtype``
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the engine declares numerics coarser than its dtype (weights or KV cache quantized)."""
+        return self.quantization is not None or self.kv_cache_dtype is not None
+
+    def describe(self) -> str:
+        """E.g. ``"bfloat16"``, ``"bfloat16, fp8 weights, fp8 KV cache"``."""
+        parts = [self.dtype]
+        if self.quantization is not None:
+            parts.append(f"{self.quantization} weights")
+        if self.kv_cache_dtype is not None:
+            parts.append(f"{self.kv_cache_dtype} KV cache")
+        return ", ".join(parts)
 
 
 def request_seed(seed: int | None, request_id: str) -> int | None:
@@ -62,10 +88,11 @@ class Sampler(Protocol):
         ...
 
     @property
-    def serving_dtype(self) -> str | None:
-        """The precision the engine samples in (``"float32"``, ``"bfloat16"``...), or None where it cannot be known
-        (a server started elsewhere: vLLM does not report it). ``grpo_pipeline`` refuses an engine whose precision
-        differs from the learner's: the importance ratios would measure the precision gap, not staleness."""
+    def behaviour_precision(self) -> BehaviourPrecision | None:
+        """The precision the engine samples in, as the engine resolved it, or None where it cannot be known (a
+        server started elsewhere: vLLM does not report it; the default). ``grpo_pipeline`` refuses an engine whose
+        plain dtype differs from the learner's by accident (the importance ratios would measure that gap, not
+        staleness), and accepts and reports one that declares a quantization."""
         return None
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,

@@ -18,8 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate
-from asyncrl.engines.updates import detached
+from asyncrl.engines.protocols import BehaviourPrecision, Engine, EngineError, WeightUpdate
 from asyncrl.types import PauseMode, Sample
 
 log = logging.getLogger(__name__)
@@ -61,8 +60,8 @@ class SupervisedEngine(Engine):
         return self._inner.max_model_len
 
     @property
-    def serving_dtype(self) -> str | None:
-        return self._inner.serving_dtype
+    def behaviour_precision(self) -> BehaviourPrecision | None:
+        return self._inner.behaviour_precision
 
     @property
     def vocab_size(self) -> int:
@@ -90,7 +89,7 @@ class SupervisedEngine(Engine):
         inner = self._inner
         prepared = await inner.prepare(update)
         try:
-            copy = await asyncio.to_thread(detached, update.source)
+            copy = await asyncio.to_thread(update.source.detached)
         except BaseException:
             inner.release(prepared)
             raise

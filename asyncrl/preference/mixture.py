@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import SamplingConfig
-from asyncrl.engines.protocols import PromptRejected
+from asyncrl.engines.protocols import BehaviourPrecision, PromptRejected
 from asyncrl.types import FinishReason, Sample, VersionSpan
 
 __all__ = ["MixtureSampler"]
@@ -63,8 +63,8 @@ class MixtureSampler:
         return int(self._policy.config.vocab_size)
 
     @property
-    def serving_dtype(self) -> str | None:
-        return str(next(self._policy.parameters()).dtype).removeprefix("torch.")
+    def behaviour_precision(self) -> BehaviourPrecision:
+        return BehaviourPrecision(str(next(self._policy.parameters()).dtype).removeprefix("torch."))
 
     def refresh(self, policy: torch.nn.Module, version: int) -> None:
         """Copy ``policy``'s weights into the mixture's copy (call while nothing trains it)."""

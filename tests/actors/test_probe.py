@@ -14,7 +14,7 @@ import torch
 from asyncrl import ConfigError, PipelineConfig, SyncConfig
 from asyncrl.actors.probe import PublicationMismatch, policy_logprobs
 from asyncrl.engines.fake import FakeEngine
-from asyncrl.engines.updates import AdapterWeights, WeightUpdate
+from asyncrl.engines.updates import UpdateKind, WeightUpdate
 from asyncrl.lora import LoraConfig, apply_lora, load_adapter_state
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.groups import RewardGroups
@@ -35,7 +35,7 @@ class ScoringFake(FakeEngine):
         await super().load(update)
         if self.stuck:
             return
-        if isinstance(update.source, AdapterWeights):
+        if update.source.kind is UpdateKind.ADAPTER:
             load_adapter_state(self.model, update.tensors)
         else:
             self.model.load_state_dict(dict(update.tensors))

@@ -97,10 +97,12 @@ async def test_the_probe_catches_an_engine_that_kept_an_old_adapter(lora_engine,
 async def test_an_engine_refuses_what_it_cannot_serve(lora_engine, vllm_engine, tiny_model_dir):
     base = load_hf_model(tiny_model_dir)
     version = lora_engine.version
-    with pytest.raises(WeightUpdateError, match="serves LoRA adapters"):
+    with pytest.raises(WeightUpdateError, match="'lora' transport carries adapter updates, not this full update.*"
+                                                "serves LoRA adapters"):
         await lora_engine.prepare(WeightUpdate(version + 1, InMemory(state_dict_for_engine(base))))
     good = adapter_state(peft_model(tiny_model_dir, 31))
-    with pytest.raises(WeightUpdateError, match="cannot load a LoRA adapter"):
+    with pytest.raises(WeightUpdateError, match="'files' transport carries full updates, not this adapter update.*"
+                                                "cannot load a LoRA adapter"):
         await vllm_engine.prepare(WeightUpdate(vllm_engine.version + 1, AdapterWeights(good, ADAPTER)))
     wide = apply_lora(load_hf_model(tiny_model_dir), LoraConfig(rank=16, alpha=16))
     with pytest.raises(WeightUpdateError, match="max_rank"):

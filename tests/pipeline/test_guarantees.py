@@ -315,6 +315,7 @@ async def test_the_file_transport_restores_the_last_good_weights_after_a_failed_
     reloading the last good directory, the update is refused, and the next good one becomes the restore point."""
     from safetensors.torch import save_file
 
+    from asyncrl.engines.transports.base import check_carries
     from asyncrl.engines.transports.files import FileTransport
     from asyncrl.engines.updates import InMemory, WeightUpdate
 
@@ -339,8 +340,8 @@ async def test_the_file_transport_restores_the_last_good_weights_after_a_failed_
     await transport.load(good)
     transport.release(good)
     assert transport.good == good.staged.path and good.staged.path.is_dir()  # kept as the restore point
-    with pytest.raises(weights.WeightUpdateError, match="adapter"):
-        await transport.stage(WeightUpdate(3, AdapterWeights({}, LoraConfig())))
+    with pytest.raises(weights.WeightUpdateError, match="adapter"):  # what an engine asks before it stages
+        check_carries("e", transport, WeightUpdate(3, AdapterWeights({}, LoraConfig())))
     await transport.close()
     assert not good.staged.path.exists()
 

@@ -93,7 +93,7 @@ class EndlessSampler(Sampler):
     version = property(lambda self: self.sampler.version)
     max_model_len = property(lambda self: self.sampler.max_model_len)
     vocab_size = property(lambda self: self.sampler.vocab_size)
-    serving_dtype = property(lambda self: self.sampler.serving_dtype)
+    behaviour_precision = property(lambda self: self.sampler.behaviour_precision)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:

@@ -2,10 +2,11 @@
 the ``EngineControl`` routes (``server.py``).
 
 ``RemoteControlEngine`` lets the standard ``WeightSync`` and ``Learner`` publish into the embedded engine:
-``prepare`` checks the update against ``model_dir``'s parameters, stages it as files (``stage_as_files``) under
-``staging_dir`` (default ``/dev/shm``; the service must be able to read it), has the service read and prepare
-it while generation runs, and removes the staged directory once answered; ``load`` then only asks the paused
-service to load it. It never samples: producers live next to the engine, in the service.
+``prepare`` refuses an adapter (the service's engine takes full weights), checks the update against
+``model_dir``'s parameters, stages it as files (``stage_as_files``) under ``staging_dir`` (default ``/dev/shm``;
+the service must be able to read it), has the service read and prepare it while generation runs, and removes the
+staged directory once answered; ``load`` then only asks the paused service to load it. It never samples:
+producers live next to the engine, in the service.
 
 Shutdown, the learner's side of the handshake: ``Learner.run`` returns (or raises) only once its last
 publication has resumed the engine or failed with an error naming the call (``ControlError``, or
@@ -24,7 +25,9 @@ from typing import Any
 
 from asyncrl.engines.embedded.server import CONTROL_PREFIX
 from asyncrl.engines.protocols import Lifecycle, StagedInEngine, WeightTarget, WeightUpdate
+from asyncrl.engines.transports.base import FULL_ONLY
 from asyncrl.engines.transports.files import stage_as_files
+from asyncrl.engines.updates import check_kind
 from asyncrl.engines.weights import manifest_dtype, read_manifest, staging_root
 from asyncrl.errors import ConfigError, EngineError, WeightUpdateError
 from asyncrl.http.client import JSONClient, TransportError
@@ -116,7 +119,8 @@ class RemoteControlEngine(WeightTarget, Lifecycle):
         """Validate and stage here (a bad update is refused before anything is sent), then have the service
         read and prepare it. The staged directory is removed once the service has answered."""
         self._prepared = None
-        staged = (await stage_as_files(self.name, update, self._manifest, self._dtype, self._staging_root)).staged
+        check_kind(self.name, "embedded engine's control routes", FULL_ONLY, update)
+        staged = (await stage_as_files(update, self._manifest, self._dtype, self._staging_root)).staged
         try:
             await self._call("POST", "/prepare", {"version": update.version, "path": str(staged.path)})
         finally:
@@ -128,7 +132,7 @@ class RemoteControlEngine(WeightTarget, Lifecycle):
         await self._call("POST", "/pause", {"mode": PauseMode(mode).value, "clear_cache": clear_cache})
 
     async def load(self, update: WeightUpdate) -> None:
-        if not isinstance(update.staged, StagedInEngine) or self._prepared != update.version:
+        if update.staged != StagedInEngine(update.version) or self._prepared != update.version:
             raise WeightUpdateError(f"engine {self.name}: version {update.version} was not prepared")
         self._prepared = None
         try:

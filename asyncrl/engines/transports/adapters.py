@@ -30,17 +30,20 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
 import torch
 from pydantic import Field
 
 from asyncrl.config_base import PositiveInt, config
 from asyncrl.engines.transports.base import Transport
-from asyncrl.engines.updates import AdapterWeights, WeightUpdate
+from asyncrl.engines.updates import UpdateKind, WeightSource, WeightUpdate
 from asyncrl.engines.weights import (ParamSpec, StagedWeights, first_non_finite, make_staging_dir,
                                      stage_in_thread, StageAbandoned)
 from asyncrl.errors import EngineError, WeightUpdateError
+
+if TYPE_CHECKING:
+    from asyncrl.lora.config import LoraConfig
 
 __all__ = ["AdapterPort", "AdapterTransport", "LoraServingConfig", "ServedAdapter", "adapter_dir_files"]
 
@@ -105,6 +108,7 @@ class AdapterTransport(Transport):
     """Adapter-only publication; also tells the engine which adapter each new request must name."""
 
     kind = "lora"
+    accepts = frozenset({UpdateKind.ADAPTER})
 
     def __init__(self, engine: str, port: AdapterPort, manifest: Mapping[str, ParamSpec], serving: LoraServingConfig,
                  dtype: torch.dtype, root: Path | None = None) -> None:
@@ -137,15 +141,12 @@ class AdapterTransport(Transport):
                 self._holders[adapter] -= 1
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
-        if not isinstance(update.source, AdapterWeights):
-            raise WeightUpdateError(f"engine {self._engine} serves LoRA adapters on a frozen base: publish the "
-                                    f"adapter (asyncrl.lora), not {type(update.source).__name__}")
         staged = await _check_and_write(update.source, self._manifest, self._serving.max_rank, self._dtype,
                                         self._root)
         return replace(update, staged=staged)
 
     async def load(self, update: WeightUpdate) -> None:
-        if not isinstance(update.staged, StagedWeights):
+        if update.staged is None:
             raise WeightUpdateError(f"engine {self._engine}: version {update.version} was not prepared")
         adapter = ServedAdapter(update.version, f"asyncrl-v{update.version}", update.version + 1, update.staged.path)
         try:
@@ -166,7 +167,7 @@ class AdapterTransport(Transport):
         await self._remove_unheld()
 
     def release(self, update: WeightUpdate) -> None:
-        if isinstance(update.staged, StagedWeights):
+        if update.staged is not None:
             update.staged.release()
 
     async def close(self) -> None:
@@ -195,9 +196,12 @@ class AdapterTransport(Transport):
         self._retired = keep
 
 
-def check_adapter(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], max_rank: int) -> None:
-    """Refuse an adapter the served base model cannot take, naming what is wrong."""
-    rank = adapter.config.rank
+def check_adapter(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int) -> LoraConfig:
+    """Refuse an adapter the served base model cannot take, naming what is wrong; its shape if it can."""
+    cfg = adapter.adapter_config
+    if cfg is None:
+        raise WeightUpdateError(f"a {adapter.kind.value} update is not a LoRA adapter")
+    rank = cfg.rank
     if rank > max_rank:
         raise WeightUpdateError(f"adapter rank {rank} exceeds the engine's max_rank {max_rank} "
                                 f"(LoraServingConfig.max_rank)")
@@ -220,6 +224,7 @@ def check_adapter(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], ma
         raise WeightUpdateError(f"adapter modules without both lora_A and lora_B: {lonely[:4]}")
     if (bad := first_non_finite(adapter.tensors)) is not None:
         raise WeightUpdateError(f"adapter tensor {bad}: contains NaN or infinite values")
+    return cfg
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -232,33 +237,33 @@ def _split(name: str) -> tuple[str, str]:
                             f"({_PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
 
 
-def adapter_dir_files(adapter: AdapterWeights, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """The tensors and ``adapter_config.json`` of a PEFT adapter directory holding ``adapter``."""
-    cfg = adapter.config
+def adapter_dir_files(adapter: Mapping[str, torch.Tensor], cfg: LoraConfig, dtype: torch.dtype
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The tensors and ``adapter_config.json`` of a PEFT adapter directory holding ``adapter`` (shaped ``cfg``)."""
     settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
                 "target_modules": sorted(cfg.target_modules), "lora_dropout": cfg.dropout, "bias": "none",
                 "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.tensors.items()}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.items()}
     return tensors, settings
 
 
-async def _check_and_write(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], max_rank: int,
+async def _check_and_write(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int,
                            dtype: torch.dtype, root: Path | None) -> StagedWeights:
     """``check_adapter`` (its NaN pass reads every tensor) and the write, both in a worker thread, as full-weight
     updates are checked and staged: the event loop keeps serving."""
     return await stage_in_thread(lambda abandon: _write_adapter_now(adapter, manifest, max_rank, dtype, root, abandon))
 
 
-def _write_adapter_now(adapter: AdapterWeights, manifest: Mapping[str, ParamSpec], max_rank: int,
+def _write_adapter_now(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int,
                        dtype: torch.dtype, root: Path | None, abandon: threading.Event) -> StagedWeights:
     from safetensors.torch import save_file
 
-    check_adapter(adapter, manifest, max_rank)
+    cfg = check_adapter(adapter, manifest, max_rank)
     if abandon.is_set():
         raise StageAbandoned
     tmp = make_staging_dir(root)
     try:
-        tensors, settings = adapter_dir_files(adapter, dtype)
+        tensors, settings = adapter_dir_files(adapter.tensors, cfg, dtype)
         save_file(tensors, str(tmp / ADAPTER_FILE))
         (tmp / CONFIG_FILE).write_text(json.dumps(settings))
     except BaseException:

@@ -10,22 +10,32 @@ calls map onto the phases:
   previous weights (``WeightUpdateError``) or is declared undefined (``EngineError``); never half of each.
 - ``release`` (once per staged update, loaded or not): let go of what ``stage`` held.
 
-A transport reads the update's typed source (``updates.WeightSource``) and refuses, by name, a source it cannot
-carry (an adapter into an engine serving full weights, say).
+A transport declares the update kinds it carries (``accepts``: every weight, or a LoRA adapter); the engine asks
+it in ``prepare`` (``check_carries``) and refuses any other kind before anything is staged, naming both. The
+transport then reads the update's source only through what every source offers (``updates.WeightSource``: its
+tensors, the files already holding it and their headers), never by its type.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from asyncrl.engines.updates import WeightUpdate
+from asyncrl.engines.updates import UpdateKind, WeightUpdate, check_kind
 
-__all__ = ["Transport", "WeightTransport"]
+__all__ = ["FULL_ONLY", "Transport", "WeightTransport", "check_carries"]
+
+FULL_ONLY = frozenset({UpdateKind.FULL})
 
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    kind: str  # "files", "cuda_ipc", "sleep", "nccl", "lora": for logs and metrics
+    kind: str  # "files", "cuda_ipc", "sleep", "nccl", "lora": for logs, metrics and refusals
+
+    @property
+    def accepts(self) -> frozenset[UpdateKind]:
+        """The update kinds this transport carries (a class attribute where it is fixed): ``stage`` is only
+        ever given one of them."""
+        ...
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
         """The update with ``staged`` set (and possibly a cheaper ``source`` for the next engine of a pool to
@@ -53,3 +63,9 @@ class Transport(WeightTransport):
 
     async def close(self) -> None:
         pass
+
+
+def check_carries(engine: str, transport: WeightTransport, update: WeightUpdate) -> None:
+    """What an engine's ``prepare`` asks first: ``WeightUpdateError`` naming the transport's kind and the
+    update's where ``transport`` does not carry ``update``'s kind."""
+    check_kind(engine, f"{transport.kind!r} transport", transport.accepts, update)

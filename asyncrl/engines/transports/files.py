@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.engines.common import restore_good_weights
-from asyncrl.engines.transports.base import Transport
-from asyncrl.engines.updates import AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, WeightUpdate
+from asyncrl.engines.transports.base import FULL_ONLY, Transport
+from asyncrl.engines.updates import StagedDirectory, WeightUpdate
 from asyncrl.engines.weights import ParamSpec, StagedWeights, check_specs, read_manifest, validate_and_stage
 from asyncrl.errors import WeightUpdateError
 
@@ -29,6 +29,7 @@ class FileTransport(Transport):
     an exception of a type in ``fatal`` means the engine itself is gone, and is passed on without a restore."""
 
     kind = "files"
+    accepts = FULL_ONLY
     direct_while_asleep = False  # see vllm_local.sleep.SleepTransport
 
     def __init__(self, engine: str, reload: Callable[[Path], Awaitable[None]], model_dir: str | Path,
@@ -49,7 +50,7 @@ class FileTransport(Transport):
         return self._good.path
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
-        return await stage_as_files(self._engine, update, self._manifest, self._dtype, self._root)
+        return await stage_as_files(update, self._manifest, self._dtype, self._root)
 
     async def load(self, update: WeightUpdate) -> None:
         staged: StagedWeights = _prepared(self._engine, update)
@@ -79,24 +80,18 @@ class FileTransport(Transport):
         self._good.release()
 
 
-async def stage_as_files(engine: str, update: WeightUpdate, manifest: Mapping[str, ParamSpec], dtype: torch.dtype,
+async def stage_as_files(update: WeightUpdate, manifest: Mapping[str, ParamSpec], dtype: torch.dtype,
                          root: Path | None) -> WeightUpdate:
-    """``update`` with ``staged`` set to a hold on safetensors files of its weights, checked against
-    ``manifest``: written now (as ``dtype``, under ``root``) for tensors in memory, adopted for files already
-    staged. The source becomes the files, for the next engine of a pool to adopt instead of writing its own."""
-    match update.source:
-        case InMemory(tensors):
-            staged = await validate_and_stage(tensors, manifest, dtype, root)
-            return replace(update, source=StagedDirectory(staged), staged=staged)
-        case StagedDirectory(staged):
-            check_specs(read_manifest(staged.path), manifest)  # headers only: no tensor view is needed here
-            return replace(update, staged=staged.acquire())
-        case ShardedBuckets(buckets):
-            check_specs(buckets.specs, manifest)
-            return replace(update, staged=buckets.staged.acquire())
-        case AdapterWeights():
-            raise WeightUpdateError(f"engine {engine} serves full weights and cannot load a LoRA adapter: start "
-                                    "it with LoRA serving (VLLMEngineConfig.lora, RemoteEngineConfig.lora)")
+    """``update`` (full weights) with ``staged`` set to a hold on safetensors files of its weights, checked
+    against ``manifest``: written now (as ``dtype``, under ``root``) for tensors in memory, adopted for files
+    already staged (headers only). The source becomes the files, for the next engine of a pool to adopt instead
+    of writing its own."""
+    source = update.source
+    if source.files is None:
+        staged = await validate_and_stage(source.tensors, manifest, dtype, root)
+        return replace(update, source=StagedDirectory(staged), staged=staged)
+    check_specs(source.file_specs, manifest)
+    return replace(update, staged=source.files.acquire())
 
 
 def _prepared(engine: str, update: WeightUpdate) -> StagedWeights:

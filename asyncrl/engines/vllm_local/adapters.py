@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import SamplingConfig
+from asyncrl.engines.protocols import BehaviourPrecision
 from asyncrl.engines.transports.adapters import AdapterPort, ServedAdapter
 from asyncrl.types import Sample
 
@@ -63,8 +64,8 @@ class BaseSampler:
         return self._engine.vocab_size
 
     @property
-    def serving_dtype(self) -> str | None:
-        return self._engine.serving_dtype
+    def behaviour_precision(self) -> BehaviourPrecision:
+        return self._engine.behaviour_precision
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
                        n: int | None = None) -> list[Sample]:

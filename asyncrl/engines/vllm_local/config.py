@@ -75,6 +75,14 @@ class VLLMEngineConfig:
         "(the synchronous pipeline, ``VLLMEngine.sleep``): 1 copies the weights to host memory and frees them "
         "and the KV cache; 2 frees both and keeps nothing, so the engine can only wake with a full weight "
         "update. 0: off (vLLM's memory pool is then not used). On CPU sleeping only pauses the engine"))] = 0
+    quantization: Annotated[str | None, Field(min_length=1, description=(
+        "the weights' quantization method, by vLLM's name ('fp8'...; checked against vLLM's list at start): the "
+        "engine then samples in coarser numerics than the learner on purpose, and grpo_pipeline accepts and "
+        "reports the pairing (the importance weights correct the gap). None: none asked for (a quantized "
+        "checkpoint still declares its own, and the engine reports it)"))] = None
+    kv_cache_dtype: Annotated[str | None, Field(min_length=1, description=(
+        "the KV cache's dtype, by vLLM's name ('fp8'...; checked at start), declared like ``quantization``. "
+        "None: the weights' dtype (vLLM's 'auto')"))] = None
     lora: Annotated[LoraServingConfig | None, Field(description=(
         "serve LoRA adapters on the frozen base model: publications then carry the adapter alone "
         "(``transports.adapters``). None: publications replace every weight"))] = None
@@ -167,6 +175,7 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
         kwargs["enable_chunked_prefill"] = False
     if cfg.sleep and not cpu:  # vLLM's CPU platform has no sleep mode (and refuses the flag)
         kwargs["enable_sleep_mode"] = True
+    kwargs.update(quantization_args(cfg))
     if cfg.lora is not None:
         kwargs.update(enable_lora=True, max_lora_rank=cfg.lora.max_rank, max_loras=cfg.lora.max_loras,
                       max_cpu_loras=cfg.lora.max_cpu_loras)
@@ -178,6 +187,29 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
         kwargs["compilation_config"] = compilation
     kwargs.update(extra)
     return AsyncEngineArgs(**kwargs)
+
+
+def quantization_args(cfg: VLLMEngineConfig) -> dict[str, Any]:
+    """``quantization`` and ``kv_cache_dtype`` as AsyncEngineArgs fields, refused by field name where this vLLM
+    does not know them (whether the platform has kernels for them is vLLM's to say at start-up)."""
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    out: dict[str, Any] = {}
+    if cfg.quantization is not None:
+        if cfg.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError("VLLMEngineConfig.quantization", f"{cfg.quantization!r} is not one of vLLM's methods "
+                                                               f"{sorted(QUANTIZATION_METHODS)}")
+        out["quantization"] = cfg.quantization
+    if cfg.kv_cache_dtype is not None:
+        known = [d for d in typing.get_args(CacheDType) if d != "auto"]
+        if cfg.kv_cache_dtype not in known:
+            raise ConfigError("VLLMEngineConfig.kv_cache_dtype", f"{cfg.kv_cache_dtype!r} is not one of vLLM's KV "
+                                                                 f"cache dtypes {known}")
+        out["kv_cache_dtype"] = cfg.kv_cache_dtype
+    return out
 
 
 def compilation_config(cfg: VLLMEngineConfig) -> dict[str, Any]:

@@ -22,18 +22,18 @@ from asyncrl.aio import settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
 from asyncrl.engines.death import Death, watch_sentinels
-from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
+from asyncrl.engines.protocols import BehaviourPrecision, Engine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
 from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
-from asyncrl.engines.transports.base import WeightTransport
+from asyncrl.engines.transports.base import WeightTransport, check_carries
 from asyncrl.engines.vllm_local.adapters import BaseSampler, LocalAdapterPort, lora_request
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
-    served_dtype,
+    served_precision,
     engine_core_sentinels,
     fail_requests,
     has_flat_logprobs,
@@ -147,8 +147,8 @@ class VLLMEngine(Engine):
         return self._vocab_size
 
     @property
-    def serving_dtype(self) -> str:
-        return served_dtype(self._llm)
+    def behaviour_precision(self) -> BehaviourPrecision:
+        return served_precision(self._llm)
 
     @property
     def llm(self) -> Any:
@@ -279,6 +279,7 @@ class VLLMEngine(Engine):
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         """Check and stage through the engine's transport while generation still runs (files another engine
         of a pool staged are adopted as they are); only the load needs the pause."""
+        check_carries(self.name, self._transport, update)  # a kind it does not carry: refused, nothing staged
         return await self._transport.stage(update)
 
     def release(self, update: WeightUpdate) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.transports.base import Transport
-from asyncrl.engines.updates import AdapterWeights, file_specs, StagedInEngine, WeightUpdate
+from asyncrl.engines.transports.base import FULL_ONLY, Transport
+from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.engines.weights import ParamSpec, check_specs, first_non_finite, validate_update
 from asyncrl.errors import EngineError, WeightUpdateError
 
@@ -50,13 +50,10 @@ def pack_for_ipc(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device
 
 async def pack_update(update: WeightUpdate, manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> tuple[
         torch.Tensor, bytes]:
-    """Validate ``update`` and snapshot it into one buffer for the workers (``pack_for_ipc``). The caller frees
-    the buffer (``free_snapshot``) once the workers have read it."""
-    if isinstance(update.source, AdapterWeights):
-        raise WeightUpdateError("an engine serving full weights cannot load a LoRA adapter: start it with "
-                                "VLLMEngineConfig.lora")
+    """Validate ``update`` (full weights) and snapshot it into one buffer for the workers (``pack_for_ipc``). The
+    caller frees the buffer (``free_snapshot``) once the workers have read it."""
     tensors = update.tensors
-    specs = file_specs(update.source)  # files staged already (a pool member's, a sharded learner's)
+    specs = update.source.file_specs  # files staged already (a pool member's, a sharded learner's)
     if specs is not None:
         check_specs(specs, manifest)
     else:
@@ -81,6 +78,7 @@ class CudaIpcTransport(Transport):
     """Stage into the workers' shadow parameters over CUDA IPC; commit them under the pause."""
 
     kind = "cuda_ipc"
+    accepts = FULL_ONLY
     direct_while_asleep = True  # see sleep.SleepTransport
 
     def __init__(self, engine: str, rpc: Rpc, manifest: Mapping[str, ParamSpec], dtype: torch.dtype) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import SamplingConfig
+from asyncrl.engines.protocols import BehaviourPrecision
 from asyncrl.errors import EngineError
 
 ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
@@ -162,9 +163,12 @@ def has_flat_logprobs() -> bool:
     return "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
 
 
-def served_dtype(llm: Any) -> str:
-    """The dtype vLLM resolved for the model ("auto" becomes e.g. bfloat16 for a float32 checkpoint on CPU)."""
-    return str(llm.model_config.dtype).removeprefix("torch.")
+def served_precision(llm: Any) -> BehaviourPrecision:
+    """The precision vLLM resolved: its dtype ("auto" becomes e.g. bfloat16 for a float32 checkpoint on CPU), the
+    quantization it applies (asked for, or read from a quantized checkpoint's config), the KV cache's dtype."""
+    cache = llm.vllm_config.cache_config.cache_dtype
+    return BehaviourPrecision(str(llm.model_config.dtype).removeprefix("torch."), llm.model_config.quantization,
+                              None if cache == "auto" else str(cache))
 
 
 def dtype_from_name(name: str) -> Any:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.engines.transports.base import Transport, WeightTransport
-from asyncrl.engines.updates import WeightUpdate
+from asyncrl.engines.updates import UpdateKind, WeightUpdate
 from asyncrl.engines.vllm_local.ipc import Rpc, free_snapshot, pack_update
 from asyncrl.engines.weights import ParamSpec
 from asyncrl.errors import EngineError, WeightUpdateError
@@ -49,6 +49,14 @@ class _Packed:
 
     flat: Any  # the snapshot buffer the payload's IPC handle points into
     payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """``WeightUpdate.staged`` of a ``SleepTransport``: which way it was staged, and so which way it loads."""
+
+    packed: _Packed | None  # packed for a direct load into the woken weights; None: staged by the awake transport
+    awake: Any = None  # the awake transport's own handle (with ``packed`` None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,10 @@ class SleepTransport(Transport):
         self.counters = SleepCounters()
 
     @property
+    def accepts(self) -> frozenset[UpdateKind]:
+        return self._awake.accepts
+
+    @property
     def asleep(self) -> bool:
         return self._level > 0
 
@@ -135,19 +147,21 @@ class SleepTransport(Transport):
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
         if not (self._level and self._awake.direct_while_asleep):
-            return await self._awake.stage(update)
+            staged = await self._awake.stage(update)
+            return replace(staged, staged=_Staged(None, staged.staged))
         flat, payload = await pack_update(update, self._manifest, self._dtype)
-        return replace(update, staged=_Packed(flat, payload))
+        return replace(update, staged=_Staged(_Packed(flat, payload)))
 
     async def load(self, update: WeightUpdate) -> None:
         if self._level:
             await self._wake_weights()
-        if not isinstance(update.staged, _Packed):
-            await self._awake.load(update)
+        packed = _staged(self._engine, update).packed
+        if packed is None:
+            await self._awake.load(_as_awake(update))
             self._weights_lost = False
             return
         try:
-            await self._control.rpc("asyncrl_load_ipc", update.staged.payload)
+            await self._control.rpc("asyncrl_load_ipc", packed.payload)
         except EngineError:
             raise
         except Exception as exc:  # the live weights may be half-written: the engine stays asleep until an update
@@ -157,10 +171,12 @@ class SleepTransport(Transport):
         self._weights_lost = False
 
     def release(self, update: WeightUpdate) -> None:
-        if isinstance(update.staged, _Packed):
+        if update.staged is None:
+            return
+        if update.staged.packed is not None:
             free_snapshot()
         else:
-            self._awake.release(update)
+            self._awake.release(_as_awake(update))
 
     async def close(self) -> None:
         await self._awake.close()
@@ -180,3 +196,14 @@ class SleepTransport(Transport):
         t0 = time.perf_counter()
         await self._control.wake_up(tags)
         self.counters.wake_s += time.perf_counter() - t0
+
+
+def _staged(engine: str, update: WeightUpdate) -> _Staged:
+    if update.staged is None:
+        raise WeightUpdateError(f"engine {engine}: version {update.version} was not prepared")
+    return update.staged
+
+
+def _as_awake(update: WeightUpdate) -> WeightUpdate:
+    """``update`` as the awake transport staged it."""
+    return replace(update, staged=update.staged.awake)

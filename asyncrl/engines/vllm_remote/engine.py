@@ -39,7 +39,7 @@ from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
 from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
-from asyncrl.engines.transports.base import WeightTransport
+from asyncrl.engines.transports.base import WeightTransport, check_carries
 from asyncrl.engines.vllm_remote.adapters import RemoteAdapterPort
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_remote.config import RemoteEngineConfig, check_paths
@@ -286,6 +286,7 @@ class RemoteVLLMEngine(Engine):
     async def prepare(self, update: WeightUpdate) -> WeightUpdate:
         """Check (and, for file reloads, stage) through the engine's transport before the pause. A pool member's
         staging is adopted."""
+        check_carries(self.name, self._transport, update)  # a kind it does not carry: refused, nothing staged
         return await self._transport.stage(update)
 
     def release(self, update: WeightUpdate) -> None:

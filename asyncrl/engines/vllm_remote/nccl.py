@@ -21,8 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from asyncrl.aio import together
-from asyncrl.engines.transports.base import Transport
-from asyncrl.engines.updates import AdapterWeights, file_specs, WeightUpdate
+from asyncrl.engines.transports.base import FULL_ONLY, Transport
+from asyncrl.engines.updates import WeightUpdate
 from asyncrl.engines.vllm_remote.api import ServerApi
 from asyncrl.engines.vllm_remote.config import NcclTransportConfig
 from asyncrl.engines.weights import ParamSpec, check_specs, torch_dtype, validate_update
@@ -37,6 +37,7 @@ class NcclTransport(Transport):
     """Check before the pause; broadcast under it through the server's four-phase weight-update endpoints."""
 
     kind = "nccl"
+    accepts = FULL_ONLY
 
     def __init__(self, engine: str, api: ServerApi, cfg: NcclTransportConfig,
                  manifest: Mapping[str, ParamSpec]) -> None:
@@ -68,9 +69,7 @@ class NcclTransport(Transport):
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
         """Checks only: the tensors travel under the pause."""
-        if isinstance(update.source, AdapterWeights):
-            raise WeightUpdateError(f"engine {self._engine} serves full weights and cannot load a LoRA adapter")
-        specs = file_specs(update.source)
+        specs = update.source.file_specs
         if specs is not None:
             check_specs(specs, self._manifest)
         else:
@@ -82,7 +81,7 @@ class NcclTransport(Transport):
             raise WeightUpdateError("NCCL weight transport is not set up")
         if update.staged != update.version:
             raise WeightUpdateError(f"engine {self._engine}: version {update.version} was not prepared")
-        tensors, specs = update.tensors, file_specs(update.source)
+        tensors, specs = update.tensors, update.source.file_specs
         names = list(tensors)
         try:
             await self._api.post("/start_weight_update")

@@ -54,6 +54,18 @@ def test_startup_options_become_compilation_config(tiny_model_dir):
     assert not engine_args(engine_config(tiny_model_dir, sleep=2)).enable_sleep_mode
 
 
+def test_a_declared_quantization_passes_through_and_an_unknown_one_is_refused_by_name(tiny_model_dir):
+    """vLLM CPU has no FP8 kernels, so only the pass-through is checked here; the engine reports what vLLM
+    resolved (``test_recipes.py::test_the_real_engine_reports_the_precision_vllm_resolved``)."""
+    args = engine_args(engine_config(tiny_model_dir, quantization="fp8", kv_cache_dtype="fp8"))
+    assert (args.quantization, args.kv_cache_dtype) == ("fp8", "fp8")
+    plain = engine_args(engine_config(tiny_model_dir))
+    assert (plain.quantization, plain.kv_cache_dtype) == (None, "auto")
+    for field, value in (("quantization", "fp7"), ("kv_cache_dtype", "int3")):
+        with pytest.raises(ConfigError, match=rf"VLLMEngineConfig.{field}.*{value}"):
+            engine_args(engine_config(tiny_model_dir, **{field: value}))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sleepy(tiny_model_dir):
     engine = await VLLMEngine.start(engine_config(tiny_model_dir, sleep=2), name="sleepy")
