@@ -18,13 +18,8 @@ from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig
 from asyncrl.algorithms.reference import Reference
 from asyncrl.config import ConfigError, LearnerConfig, PipelineConfig
 from asyncrl.data import PromptSource
-<<<<<<< HEAD
-from asyncrl.engines.protocols import Engine, WeightTarget
-from asyncrl.groups.maker import GroupMaker
-=======
 from asyncrl.engines.protocols import Engine, Sampler, WeightTarget
-from asyncrl.episodes.types import EnvFactory
->>>>>>> weights36
+from asyncrl.groups.maker import GroupMaker
 from asyncrl.metrics import Monitor
 from asyncrl.pipeline import Pipeline
 from asyncrl.queues.admission import OPEN, AdmissionGate
@@ -32,15 +27,8 @@ from asyncrl.queues.rollout_queue import create_rollout_queue
 from asyncrl.types import Prompt
 from asyncrl.versions import VersionClock
 
-<<<<<<< HEAD
-=======
-if TYPE_CHECKING:
-    from asyncrl.preference.scoring import JudgeScorer
-    from asyncrl.agents.runner import AgentRunner
-
 log = logging.getLogger(__name__)
 
->>>>>>> weights36
 
 def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterable[Prompt] | AsyncIterable[Prompt] |
                   PromptSource, groups: GroupMaker, config: PipelineConfig | None = None, *,
