@@ -19,7 +19,7 @@ import asyncrl.algorithms.losses
 import asyncrl.checkpoint.store
 import asyncrl.distributed.ranks
 import asyncrl.engines.pool
-import asyncrl.engines.transports.adapters
+import asyncrl.engines.lora.transport
 import asyncrl.engines.vllm_local.config
 import asyncrl.engines.vllm_remote.config
 import asyncrl.engines.vllm_remote.nccl
@@ -71,7 +71,7 @@ REQUIRED: dict[str, dict[str, object]] = {  # the fields without defaults, for b
 MODULES = (asyncrl.agents.endpoint, asyncrl.agents.runner,
            asyncrl.algorithms.losses, asyncrl.checkpoint.store, asyncrl.distributed.ranks, asyncrl.engines.pool,
            asyncrl.engines.vllm_local.config, asyncrl.engines.vllm_remote.config, asyncrl.engines.vllm_remote.nccl,
-           asyncrl.engines.transports.adapters, asyncrl.launch.layout, asyncrl.lora.config,
+           asyncrl.engines.lora.transport, asyncrl.launch.layout, asyncrl.lora.config,
            asyncrl.preference.losses, asyncrl.queues.ingest_server)  # imported so every class is registered
 
 
@@ -162,7 +162,7 @@ def test_construction_reads_neither_disk_nor_environment(tmp_path: Path, tiny_mo
 
 
 def test_scoped_env_puts_back_what_was_there(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncrl.engines.env import scoped_env
+    from asyncrl.engines.vllm_local.config import scoped_env
 
     monkeypatch.setenv("ASYNCRL_TEST_KEEP", "old")
     monkeypatch.delenv("ASYNCRL_TEST_NEW", raising=False)

@@ -212,7 +212,7 @@ def loss_config(args: argparse.Namespace) -> Any:
 
 
 def engine_config(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path) -> Any:
-    from asyncrl.engines.transports.adapters import LoraServingConfig
+    from asyncrl.engines.lora.transport import LoraServingConfig
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     longest = max(len(encode_prompt(ex.prompt, tok)) for ex in task.train + task.held_out)

@@ -1,6 +1,6 @@
 """LoRA training (PEFT, the ``asyncrl[lora]`` extra): the adapter's config (``config``) and the wrapped policy, its
 adapter tensors, the base model as the KL reference, and export (``model``). Publication of the adapter into
-vLLM is the adapter transport's (``asyncrl.engines.transports.adapters``): see docs/ARCHITECTURE.md, "LoRA"."""
+vLLM is the adapter transport's (``asyncrl.engines.lora.transport``): see docs/ARCHITECTURE.md, "LoRA"."""
 
 from asyncrl.lora.config import DEFAULT_TARGETS, LoraConfig
 from asyncrl.lora.model import (

@@ -162,7 +162,7 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
 
 def engine_config(args: argparse.Namespace, model_dir: Path, lora: Any = None) -> Any:
     """Our engine; with ``lora`` (a ``LoraConfig``), serving adapters of its rank (and never sleeping)."""
-    from asyncrl.engines.transports.adapters import LoraServingConfig
+    from asyncrl.engines.lora.transport import LoraServingConfig
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     gpu = common.on_gpu() and not args.cpu_smoke

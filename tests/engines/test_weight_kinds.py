@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.engines.embedded.client import RemoteControlEngine
-from asyncrl.engines.transports.adapters import AdapterTransport, LoraServingConfig
+from asyncrl.engines.lora.transport import AdapterTransport, LoraServingConfig
 from asyncrl.engines.transports.base import check_carries
 from asyncrl.engines.transports.files import FileTransport, stage_as_files
 from asyncrl.engines.updates import (AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, UpdateKind,

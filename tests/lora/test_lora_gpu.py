@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engines.transports.adapters import LoraServingConfig
+from asyncrl.engines.lora.transport import LoraServingConfig
 from tests.support.lora import peft_model, three_modes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -14,11 +14,11 @@ import torch
 
 from asyncrl import SamplingConfig, SyncConfig, VersionClock, WeightSync
 from asyncrl.actors.probe import Expectation, PublicationMismatch, PublicationProbe, policy_logprobs
-from asyncrl.engines.transports.adapters import LoraServingConfig
+from asyncrl.engines.lora.transport import LoraServingConfig
 from asyncrl.engines.updates import AdapterWeights, InMemory, WeightUpdate
 from asyncrl.engines.vllm_local import VLLMEngine
 from asyncrl.engines.vllm_remote import RemoteVLLMEngine, free_port, start_vllm_server
-from asyncrl.engines.vllm_remote.adapters import lora_server_args
+from asyncrl.engines.lora.server import lora_server_args
 from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.errors import ConfigError, WeightUpdateError
 from asyncrl.lora import LoraConfig, adapter_state, apply_lora

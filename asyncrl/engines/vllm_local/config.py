@@ -14,14 +14,16 @@ import enum
 import logging
 import math
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from asyncrl.config_base import Flag, PathStr, PositiveInt, config, require
-from asyncrl.engines.transports.adapters import LoraServingConfig
+from asyncrl.engines.lora.transport import LoraServingConfig
 from asyncrl.errors import ConfigError
 
 WORKER_EXTENSION = "asyncrl.engines.vllm_local.worker_ext.AsyncRLWorkerExtension"  # loaded by name in workers
@@ -117,7 +119,7 @@ def check_model(cfg: VLLMEngineConfig) -> None:
 
 def engine_env(cfg: VLLMEngineConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables vLLM reads at start-up that ``cfg`` decides, less those ``environ`` sets already (the
-    user's choice wins). The start-up applies them for its duration (``asyncrl.engines.env.scoped_env``)."""
+    user's choice wins). The start-up applies them for its duration (``scoped_env``)."""
     if is_cpu_platform():
         # vLLM CPU reads its KV size from the environment; without it, it takes most of the RAM.
         wanted = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gib)))}
@@ -223,3 +225,23 @@ def compilation_config(cfg: VLLMEngineConfig) -> dict[str, Any]:
     if cfg.cudagraph_capture_sizes is not None:
         out["cudagraph_capture_sizes"] = sorted(set(cfg.cudagraph_capture_sizes))
     return out
+
+
+_ENV_LOCK = threading.Lock()  # two start-ups in threads must not restore each other's variables midway
+
+
+@contextmanager
+def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in this process's environment for the block (the processes it spawns inherit them),
+    then put back what was there before."""
+    with _ENV_LOCK:
+        before = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for key, old in before.items():
+                if old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old

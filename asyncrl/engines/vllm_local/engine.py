@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,13 @@ from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
 from asyncrl.engines.death import Death, watch_sentinels
 from asyncrl.engines.protocols import BehaviourPrecision, Engine, WeightUpdate, request_seed
-from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
-from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
-from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
+from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
+from asyncrl.engines.vllm_local.config import (
+    VLLMEngineConfig, check_model, engine_args, engine_env, scoped_env, set_vllm_log_level,
+)
+from asyncrl.engines.lora.transport import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport, check_carries
-from asyncrl.engines.vllm_local.adapters import BaseSampler, LocalAdapterPort, lora_request
+from asyncrl.engines.lora.in_process import LocalAdapterPort, lora_request
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.llm_internals import (
@@ -46,7 +48,6 @@ from asyncrl.engines.vllm_local.llm_internals import (
     vllm_sampling_params,
 )
 from asyncrl.engines.vllm_local.sleep import SleepControl, SleepCounters, SleepTransport
-from asyncrl.engines.vllm_local.startup import close_when_started, start_llm
 from asyncrl.engines.weights import manifest_dtype, read_manifest
 from asyncrl.errors import ConfigError, EngineError, PromptRejected
 from asyncrl.types import PauseMode, Sample
@@ -163,9 +164,13 @@ class VLLMEngine(Engine):
                                     final_only=self._stamps)
 
     async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
-                       n: int | None = None, *, base: bool = False) -> list[Sample]:
-        """``Sampler.generate``; ``base=True`` (a LoRA engine: ``base_sampler``) samples the base model, without
-        the adapter, every token tagged version 0 (the base never changes)."""
+                       n: int | None = None) -> list[Sample]:
+        return await self._generate(prompt_ids, params, request_id, n, base=False)
+
+    async def _generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str, n: int | None,
+                        base: bool) -> list[Sample]:
+        """``base=True`` (a LoRA engine's ``BaseSampler``) samples the base model, without the adapter, every token
+        tagged version 0 (the base never changes)."""
         max_tokens = completion_room(prompt_ids, self._cfg.max_model_len, params.max_tokens)
         self._raise_if_dead()
         ids = [f"{request_id}-{i}" for i in range(params.n if n is None else n)]
@@ -398,3 +403,58 @@ class VLLMEngine(Engine):
             for path in self._store_files:  # the processes that used them are gone
                 path.unlink(missing_ok=True)
             log.info("engine %s shut down in %.1fs", self.name, time.monotonic() - t0)
+
+
+class BaseSampler:
+    """The frozen base under a LoRA engine's adapters, as a ``Sampler`` (``VLLMEngine.base_sampler``): the same
+    engine, requests without an adapter, version 0 throughout. Its requests pause and resume with the engine's
+    publications."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self.name = f"{engine.name}/base"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def behaviour_precision(self) -> BehaviourPrecision:
+        return self._engine.behaviour_precision
+
+    async def generate(self, prompt_ids: tuple[int, ...], params: SamplingConfig, request_id: str,
+                       n: int | None = None) -> list[Sample]:
+        return await self._engine._generate(prompt_ids, params, request_id, n, base=True)
+
+
+# Starting an AsyncLLM off the event loop: vLLM's start-up blocks for tens of seconds, so it runs in a thread, with
+# the sockets it binds in the engine's private directory (``rpc_dir``) and the environment the configuration
+# decides set for the start-up only. A thread cannot be stopped: a cancelled start is let finish, then whatever it
+# started is shut down.
+
+
+def start_llm(args: Any, env: dict[str, str], rpc_dir: Path) -> Any:
+    """``AsyncLLM.from_engine_args(args)`` (blocking: call it in a thread)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    with rpc_dir_in_env(rpc_dir), scoped_env(env):
+        return AsyncLLM.from_engine_args(args)
+
+
+async def close_when_started(starting: asyncio.Future[Any], rpc_dir: Path,
+                             close: Callable[[Any], Awaitable[None]]) -> None:
+    """Wait for a cancelled start to end, then ``close(llm)`` what it started (nothing if it failed)."""
+    try:
+        llm = await starting
+    except Exception:
+        remove_rpc_dir(rpc_dir)
+        return  # it failed to start: vLLM has shut down what it had started
+    await close(llm)

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config_base import PathStr, PositiveInt, Seconds, config, require
-from asyncrl.engines.transports.adapters import LoraServingConfig
+from asyncrl.engines.lora.transport import LoraServingConfig
 from asyncrl.errors import ConfigError
 
 

@@ -38,9 +38,9 @@ from asyncrl.engines.common import completion_room
 from asyncrl.engines.death import Death
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
-from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
+from asyncrl.engines.lora.transport import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport, check_carries
-from asyncrl.engines.vllm_remote.adapters import RemoteAdapterPort
+from asyncrl.engines.lora.server import RemoteAdapterPort
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_remote.config import RemoteEngineConfig, check_paths
 from asyncrl.engines.vllm_remote.nccl import NcclTransport

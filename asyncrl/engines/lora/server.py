@@ -7,8 +7,9 @@ names it as its ``model``.
 
 from __future__ import annotations
 
-from asyncrl.engines.transports.adapters import AdapterPort, LoraServingConfig, ServedAdapter
-from asyncrl.engines.vllm_remote.api import ServerApi
+from typing import Any, Protocol
+
+from asyncrl.engines.lora.transport import AdapterPort, LoraServingConfig, ServedAdapter
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -20,8 +21,18 @@ def lora_server_args(serving: LoraServingConfig) -> tuple[list[str], dict[str, s
     return args, {RUNTIME_LORA_ENV: "True"}
 
 
+class JsonApi(Protocol):
+    """What the port needs of a server's API: JSON in, JSON out, errors raised."""
+
+    async def post(self, path: str, *, body: Any = None) -> Any: ...
+
+    async def get(self, path: str) -> Any: ...
+
+
 class RemoteAdapterPort(AdapterPort):
-    def __init__(self, api: ServerApi) -> None:
+    """Adapters loaded into a vLLM server at run time."""
+
+    def __init__(self, api: JsonApi) -> None:
         self._api = api
 
     async def add(self, adapter: ServedAdapter) -> None:
