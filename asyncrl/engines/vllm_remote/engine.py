@@ -199,7 +199,7 @@ class RemoteVLLMEngine(Engine):
                     builder.add(event, version())
         except asyncio.CancelledError:
             # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
-            await asyncio.shield(self._abort_on_server(request_id))
+            await settle(self._abort_on_server(request_id), f"aborting {request_id}")  # awaited, even if re-cancelled
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(self.name, f"request {request_id} to {self._cfg.base_url} failed: {exc!r}") from exc
