@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -104,3 +104,59 @@ async def bounded(aw: Awaitable[T], timeout_s: float, what: str) -> T | None:
     if cancelled:
         raise asyncio.CancelledError(f"cancelled during {what} (waited for it first)")
     return task.result() if task.done() and not task.cancelled() else None
+
+
+CLOSE_TIMEOUT_S = 30.0  # default bound on how long ``TaskOwner.aclose`` waits for its cancelled tasks
+
+
+class TaskOwner:
+    """The one owner of a set of background tasks: ``start`` keeps each task until it ends; ``aclose`` (or the
+    end of an ``async with`` block) cancels those still running and waits for them, for at most ``timeout_s``.
+
+    A task's failure goes to whoever awaits the task ``start`` returned; ``on_error``, if given, is told as
+    well (e.g. to log a failure nobody awaits). An owner outlives ``aclose``: tasks started after it are kept
+    for the next one. ``aclose`` finishes its wait even if its caller is cancelled meanwhile, then lets the
+    cancellation through (shutdown must not leave a task half-cancelled behind it)."""
+
+    def __init__(self, name: str, *, on_error: Callable[[asyncio.Task[Any], BaseException], object] | None = None,
+                 timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        self.name = name  # for task names and the log
+        self._on_error = on_error
+        self._timeout_s = timeout_s
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
+        """Run ``coro`` as a task owned here and return the task."""
+        task = asyncio.get_running_loop().create_task(coro, name=name or self.name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def __len__(self) -> int:
+        """Tasks started and not yet ended."""
+        return len(self._tasks)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if self._on_error is not None and not task.cancelled() and task.exception() is not None:
+            self._on_error(task, task.exception())  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        """Cancel every task still running and wait for them to end (bounded). Their errors were their
+        awaiters' (or ``on_error``'s); errors of tasks ended by this close are not raised again here."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        try:
+            if tasks:
+                await bounded(asyncio.wait(tasks), self._timeout_s, f"{self.name}: cancelled tasks")
+        finally:
+            for task in tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: the awaiter (if any) saw it, the close caused it otherwise
+
+    async def __aenter__(self) -> TaskOwner:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -184,6 +184,10 @@ class LearnerConfig:
         "instead of sdpa with a block-diagonal mask, so each sequence costs its own length squared and a "
         "micro-batch is one row with no padding. The learner switches the model's attention implementation; a "
         "transformers Llama, Mistral or Qwen decoder without sliding windows"))] = False
+    score_from_logits: Annotated[Flag, Field(description=(
+        "score from ``model(...).logits`` even for a decoder whose last hidden states the learner could score "
+        "chunk by chunk (``asyncrl.algorithms.head``): for a model whose forward does more than its head shows, "
+        "or to compare with a sharded model, which is always scored from its logits"))] = False
     compile_elementwise: Annotated[Flag, Field(description=(
         "``torch.compile`` (dynamic shapes) the memory-bound element-wise chains: each MLP and RMSNorm module "
         "of a transformers decoder (SiLU times the up projection; the float32 norm) and the log-prob head's "

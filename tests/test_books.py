@@ -43,7 +43,7 @@ class ZeroLoss(Loss):
         self.calls = 0
         self.fail_at = fail_at
 
-    def compute(self, model, groups):
+    def compute(self, model, groups, **kw):
         self.calls += 1
         if self.calls in self.fail_at:
             raise RuntimeError("this step fails")

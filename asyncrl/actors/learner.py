@@ -26,6 +26,7 @@ import torch
 from asyncrl.actors.probe import Expectation, PublicationProbe
 from asyncrl.actors.training import LocalBackend, TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
+from asyncrl.aio import TaskOwner
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.counters import Books, Drops, GroupTotals
@@ -66,7 +67,10 @@ class Learner:
     """Consumes the queue's receiving end, trains ``model`` with ``loss``, publishes through ``weight_sync``.
 
     ``model``, ``optimizer`` and ``loss`` make the single-device ``LocalBackend``; to train on another
-    backend pass it as ``backend`` and None for those three (they then read through to the backend's)."""
+    backend pass it as ``backend`` and None for those three (they then read through to the backend's).
+
+    The background publication of ``sync.overlap`` (and its probe) is a task of the learner's ``TaskOwner``:
+    ``flush`` awaits it and raises its error; ``run`` ending and ``close`` cancel and await it."""
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, loss: Loss | None,
                  receiver: RolloutReceiver, weight_sync: WeightSync, config: LearnerConfig | None = None,
@@ -90,7 +94,9 @@ class Learner:
         self.books = Books(receiver.counters, self.counters)
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
-        self._publishing: asyncio.Future[SyncTiming] | None = None  # background publication (sync.overlap)
+        self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
+        # Unbounded here: the pipeline bounds ``close`` with its ``shutdown_timeout_s``.
+        self._tasks = TaskOwner("learner", timeout_s=math.inf)
         sync = weight_sync.config
         self.probe = None if sync.probe_tolerance is None else PublicationProbe(
             weight_sync.target, sync.probe_tolerance, sync.probe_tokens)
@@ -140,10 +146,8 @@ class Learner:
                 await self.report(result, extra={"learner/wait_s": wait_s})
             await self.flush()
         finally:
-            if self._publishing is not None:  # failing or cancelled: don't leave a publication running
-                self._publishing.cancel()
-                await asyncio.gather(self._publishing, return_exceptions=True)
-                self._publishing = None
+            self._publishing = None  # failing or cancelled: don't leave a publication running
+            await self._tasks.aclose()
 
     async def _next_batch(self, steps: int | None) -> list[RolloutGroup]:
         limit = self.config.stall_timeout_s
@@ -234,12 +238,15 @@ class Learner:
             self.backend.release(snapshot)
             raise
         started.add_done_callback(lambda _: self.backend.release(snapshot))
-        self._publishing = asyncio.ensure_future(self._checked(started, expected))
+        self._publishing = self._tasks.start(self._checked(started, expected), name="learner-publication")
         return previous
 
     async def close(self) -> None:
         """End the training thread once its work is over: waited for off the event loop, since a step that a
-        cancellation cut short still runs to its end there. Training again makes a new thread."""
+        cancellation cut short still runs to its end there, after the background publication is cancelled and
+        awaited. Training again makes a new thread."""
+        self._publishing = None
+        await self._tasks.aclose()
         thread, self._thread = self._thread, None
         if thread is not None:
             await asyncio.to_thread(thread.shutdown)

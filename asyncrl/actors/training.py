@@ -19,9 +19,8 @@ from torch import Tensor
 
 from asyncrl.actors.probe import policy_logprobs
 from asyncrl.algorithms import varlen
-from asyncrl.algorithms.head import compiled_head
+from asyncrl.algorithms.logprobs import ScoringOptions
 from asyncrl.algorithms.losses import Loss
-from asyncrl.algorithms.rows import packed_scoring
 from asyncrl.config import ConfigError, LearnerConfig
 from asyncrl.engines.updates import AdapterWeights, InMemory, WeightSource, model_source
 from asyncrl.types import RolloutGroup
@@ -103,18 +102,18 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
     """Forward and backward every chunk, each weighted by its share of ``total_tokens`` (the whole batch's,
     over every rank), so the summed gradient is that of one full-batch pass. Returns this caller's part of the
     batch loss and of the loss metrics (group-weighted over ``active_groups``); parts from several ranks add
-    up to the batch's. ``config`` sets the precision (``autocast``) and how losses that score through
-    ``completion_logprobs`` do it (``packing``; ``compile_elementwise`` for the log-prob head's chunk maths).
+    up to the batch's. ``config`` sets the precision (``autocast``) and how the loss scores: the
+    ``ScoringOptions`` handed to ``Loss.compute`` (``packing``, ``score_from_logits``, the compiled head).
     ``grad_sync(last)`` runs before each backward: a sharded model reduces its gradients on the last one only."""
     batch_loss: Tensor | float = 0.0
     sums: dict[str, Tensor | float] = {}
+    scoring = scoring_options(config)
     for i, chunk in enumerate(parts):
         if grad_sync is not None:
             grad_sync(i == len(parts) - 1)
         with attention_kernels():  # the backward too: gradient checkpointing recomputes the forward there
-            with (precision(model, config.autocast), packed_scoring(config.packing),
-                  compiled_head(config.compiled)):
-                out = loss.compute(model, chunk.groups)
+            with precision(model, config.autocast):
+                out = loss.compute(model, chunk.groups, scoring=scoring)
             scale = out.num_tokens / total_tokens if chunk.real else 0.0
             weighted = out.loss * scale
             weighted.backward()
@@ -123,6 +122,12 @@ def accumulate(model: torch.nn.Module, loss: Loss, parts: Sequence[Chunk], *, to
         for k, v in out.metrics.items():
             sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v) * share
     return read_all(batch_loss, sums)
+
+
+def scoring_options(config: LearnerConfig) -> ScoringOptions:
+    """How the learner's losses score (``Loss.compute(..., scoring=)``), from its config."""
+    return ScoringOptions(packed=config.packing, from_logits=config.score_from_logits,
+                          compiled_head=config.compiled)
 
 
 def read_all(batch_loss: Tensor | float, sums: dict[str, Tensor | float]) -> tuple[float, dict[str, float]]:
@@ -233,7 +238,7 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
 def compile_elementwise(model: torch.nn.Module) -> None:
     """Compile, in place, every module whose class is a decoder's MLP or RMSNorm (``FooMLP``, ``FooRMSNorm``):
     small graphs with no data-dependent control flow, so dynamic shapes compile once per module class. (The
-    log-prob head's chunk maths is compiled under ``head.compiled_head``, entered by ``accumulate``.)"""
+    log-prob head's chunk maths is compiled through ``ScoringOptions.compiled_head``, set by ``accumulate``.)"""
     targets = [m for m in model.modules() if type(m).__name__.endswith(("MLP", "RMSNorm"))]
     if not targets:
         raise ConfigError("LearnerConfig.compile_elementwise",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.aio import settle
+from asyncrl.aio import TaskOwner, settle
 from asyncrl.config import SyncConfig
 from asyncrl.engines.protocols import WeightTarget, WeightUpdate
 from asyncrl.engines.updates import WeightSource, as_source
@@ -54,7 +54,8 @@ class PublicationOutcome:
 
 class WeightSync:
     """Serialises publications to one weight target (an engine or an ``EnginePool``) and owns the version
-    commit on the ``VersionClock``."""
+    commit on the ``VersionClock``. Background publications (``start``) are owned by its ``TaskOwner``:
+    ``aclose`` cancels and awaits them (the pipeline calls it as it shuts down)."""
 
     def __init__(self, target: WeightTarget, clock: VersionClock, config: SyncConfig) -> None:
         self.target = target
@@ -64,7 +65,7 @@ class WeightSync:
         self.history: deque[SyncTiming] = deque(maxlen=1000)  # recent successful publications
         self.counters = SyncCounters()
         self.outcome: PublicationOutcome | None = None  # of the last publication that ended
-        self._started: set[asyncio.Task[SyncTiming]] = set()  # background publications, owned until done
+        self._started = TaskOwner("weight-sync")  # background publications; their errors go to their awaiters
 
     async def publish(self, weights: WeightSource | Mapping[str, torch.Tensor], version: int | None = None
                       ) -> SyncTiming:
@@ -89,19 +90,14 @@ class WeightSync:
             async with self._lock:
                 return await self._begun(update)
 
-        task = asyncio.create_task(run(), name=f"publish-v{update.version}")
-        self._started.add(task)
-        task.add_done_callback(self._started.discard)
+        task = self._started.start(run(), name=f"publish-v{update.version}")
         task.add_done_callback(lambda _: self.clock.abandon(update.version))  # cancelled before it ran
         return task
 
     async def aclose(self) -> None:
         """Cancel the background publications still running and wait for them (each resumes the target and
         lands or not, as ``outcome`` then says). Their errors belong to whoever awaits their task."""
-        tasks = list(self._started)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._started.aclose()
 
     async def _begun(self, update: WeightUpdate) -> SyncTiming:
         try:

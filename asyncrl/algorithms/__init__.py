@@ -2,9 +2,8 @@
 
 from asyncrl.algorithms.advantages import Estimator, group_advantages
 from asyncrl.algorithms.corrections import Correction
-from asyncrl.algorithms.logprobs import CompletionLogprobs, completion_logprobs
+from asyncrl.algorithms.logprobs import CompletionLogprobs, ScoringOptions, completion_logprobs
 from asyncrl.algorithms.losses import GRPOLoss, IsLevel, LengthNorm, Loss, LossConfig, LossOutput, k3, policy_loss
-from asyncrl.algorithms.rows import packed_scoring
 
 __all__ = [
     "CompletionLogprobs",
@@ -16,9 +15,9 @@ __all__ = [
     "Loss",
     "LossConfig",
     "LossOutput",
+    "ScoringOptions",
     "completion_logprobs",
     "group_advantages",
     "k3",
-    "packed_scoring",
     "policy_loss",
 ]

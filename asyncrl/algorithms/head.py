@@ -12,10 +12,8 @@ through the vocabulary projection, not prompt or padding positions.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -24,39 +22,10 @@ from torch import Tensor
 # or soft-capping that scoring from hidden states would skip.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 CHUNK_ELEMENTS = 1 << 28  # float32 logits per chunk (1 GiB): a few chunks per micro-batch, each a large matmul
-_FROM_LOGITS = contextvars.ContextVar("asyncrl_scoring_from_logits", default=False)
-_COMPILED = contextvars.ContextVar("asyncrl_compiled_head", default=False)
-
-
-@contextlib.contextmanager
-def scoring_from_logits() -> Iterator[None]:
-    """Within this block every model is scored from ``model(...).logits``, as one this module cannot drive is:
-    for comparing the two paths, or for a model whose forward does more than its head shows."""
-    token = _FROM_LOGITS.set(True)
-    try:
-        yield
-    finally:
-        _FROM_LOGITS.reset(token)
-
-
-@contextlib.contextmanager
-def compiled_head(enabled: bool = True) -> Iterator[None]:
-    """Within this block ``chosen_logprobs`` runs each chunk's softmax maths (forward and backward) as kernels
-    fused by ``torch.compile``: one pass over the chunk's logits instead of one per element-wise step. The
-    learner enters it with ``LearnerConfig.compile_elementwise``."""
-    token = _COMPILED.set(enabled)
-    try:
-        yield
-    finally:
-        _COMPILED.reset(token)
-
-
 def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """The decoder and output projection to score from hidden states, or None where the model must be called
     whole: an unknown architecture, a biased head, or a sharded (FSDP) model, whose root-level parameters are
-    gathered only by the root module's own forward; or inside ``scoring_from_logits``."""
-    if _FROM_LOGITS.get():
-        return None
+    gathered only by the root module's own forward. (``ScoringOptions.from_logits`` skips asking.)"""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
@@ -77,13 +46,15 @@ def _sharded(model: torch.nn.Module) -> bool:
 
 
 def chosen_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                    with_entropy: bool, compiled: bool = False) -> tuple[Tensor, Tensor | None]:
     """``[M]`` float32 log-probs of ``targets`` under ``hidden @ weight.T / temperature`` (``hidden`` ``[M, H]``,
     ``weight`` ``[V, H]``), and the entropy of the same distribution when asked. Differentiable in ``hidden``
-    and ``weight``; under autocast the projection runs in autocast's dtype, as ``nn.Linear`` would."""
+    and ``weight``; under autocast the projection runs in autocast's dtype, as ``nn.Linear`` would.
+    ``compiled``: each chunk's softmax maths (forward and backward) runs as kernels fused by ``torch.compile``,
+    one pass over the chunk's logits instead of one per element-wise step (``ScoringOptions.compiled_head``)."""
     chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
     logprobs, entropy = _ChosenLogprobs.apply(hidden, weight, targets, float(temperature), chunk, with_entropy,
-                                              _COMPILED.get())
+                                              compiled)
     return logprobs, (entropy if with_entropy else None)
 
 

@@ -10,9 +10,27 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms.head import chosen_logprobs, decoder_and_head
-from asyncrl.algorithms.rows import Rows, packed_rows, packing_enabled, padded_rows
+from asyncrl.algorithms.rows import Rows, packed_rows, padded_rows
 from asyncrl.algorithms.varlen import SEGMENTS_KWARG, Segments
 from asyncrl.algorithms.varlen import active as varlen_active
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringOptions:
+    """How ``completion_logprobs`` lays out and scores its rows; the values, not the maths (each way gives the
+    same log-probs up to float rounding). The learner builds one from its ``LearnerConfig`` and hands it to
+    ``Loss.compute``, which passes it on to every scoring call (its reference's too); the defaults are the
+    plain way, for any other caller."""
+
+    packed: bool = False  # several sequences per row (``algorithms.rows``; ``LearnerConfig.packing``)
+    # Score from ``model(...).logits`` even where the decoder and head could be driven apart
+    # (``LearnerConfig.score_from_logits``): for a forward that does more than its head shows, or comparisons.
+    from_logits: bool = False
+    # The log-prob head's chunk maths fused by ``torch.compile`` (``LearnerConfig.compiled``).
+    compiled_head: bool = False
+
+
+PLAIN = ScoringOptions()  # the default: padded rows, the head driven where it can be, nothing compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +53,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     loss_masks: Sequence[Sequence[int] | None] | None = None,
     packed: bool | None = None,
+    scoring: ScoringOptions = PLAIN,
 ) -> CompletionLogprobs:
     """Log-prob of every completion token given its prompt and the completion tokens before it.
 
@@ -51,14 +70,16 @@ def completion_logprobs(
     float rounding). Logits are divided by ``temperature`` and normalised in float32, which is what the
     sampler's behaviour log-probs are measured under. Gradients flow unless the caller disables them.
 
-    ``packed=True`` (None: as ``rows.packed_scoring`` says, off by default) lays several sequences into one row
-    instead (``asyncrl.algorithms.rows``) and calls ``model(input_ids=, position_ids=, use_cache=False)``: the
-    model must then keep sequences apart by their restarting positions, as transformers' decoders do. The
+    ``scoring`` says how (``ScoringOptions``, from the learner's config when a loss is called by the learner);
+    ``packed`` (None: as ``scoring.packed`` says) overrides its choice of layout. Packed lays several sequences
+    into one row instead (``asyncrl.algorithms.rows``) and calls ``model(input_ids=, position_ids=,
+    use_cache=False)``: the model must then keep sequences apart by their restarting positions, as
+    transformers' decoders do. The
     result has the same shape and, up to float rounding, the same values. A model switched to variable-length
     attention (``algorithms.varlen.install``) gets the whole call as one row plus where each sequence starts.
     """
     _check_inputs(prompts, completions, temperature, loss_masks)
-    pack = packing_enabled() if packed is None else packed
+    pack = scoring.packed if packed is None else packed
     device = _device_of(model)
     if pack and varlen_active(model):  # no quadratic cost in the row width: one row holds the micro-batch
         total = sum(len(p) + len(c) for p, c in zip(prompts, completions))
@@ -66,9 +87,9 @@ def completion_logprobs(
                             width_multiple=width_multiple(total))
     else:
         batch = (packed_rows if pack else padded_rows)(prompts, completions, pad_id, device, loss_masks)
-    parts = decoder_and_head(model)
+    parts = None if scoring.from_logits else decoder_and_head(model)
     if parts is not None:
-        logprobs, entropy = _from_hidden(*parts, batch, temperature, with_entropy)
+        logprobs, entropy = _from_hidden(*parts, batch, temperature, with_entropy, scoring.compiled_head)
     else:
         logprobs, entropy = _from_logits(model, batch, temperature, with_entropy)
     return CompletionLogprobs(logprobs=logprobs, entropy=entropy, mask=batch.mask, num_scored=len(batch.scored))
@@ -103,12 +124,12 @@ def _from_logits(model: torch.nn.Module, batch: Rows, temperature: float,
 
 
 def _from_hidden(decoder: torch.nn.Module, head: torch.nn.Linear, batch: Rows, temperature: float,
-                 with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                 with_entropy: bool, compiled: bool) -> tuple[Tensor, Tensor | None]:
     inputs = {**_model_inputs(decoder, batch), "use_cache": False}
     hidden = decoder(**inputs).last_hidden_state
     chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.hidden_at)
     targets = batch.targets.flatten().index_select(0, batch.scored)
-    lp, ent = chosen_logprobs(chosen, head.weight, targets, temperature, with_entropy)
+    lp, ent = chosen_logprobs(chosen, head.weight, targets, temperature, with_entropy, compiled)
 
     def spread(values: Tensor) -> Tensor:  # [M] back onto the [N, T] grid, 0 where nothing is scored
         return torch.zeros(batch.mask.numel(), dtype=values.dtype, device=values.device).index_copy(

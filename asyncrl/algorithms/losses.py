@@ -39,7 +39,7 @@ from asyncrl.algorithms.corrections import (
     staleness_metrics,
     token_staleness,
 )
-from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.logprobs import PLAIN, ScoringOptions, completion_logprobs
 from asyncrl.algorithms.reference import Reference, reference_logprobs
 from asyncrl.algorithms.rows import to_device
 from asyncrl.config import ConfigError, SamplingConfig
@@ -125,9 +125,11 @@ class Loss(Protocol):
     # The pipeline refuses a ``SamplingConfig.n`` below it.
     min_group_size: int
 
-    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *,
+                scoring: ScoringOptions = PLAIN) -> LossOutput:
         """Score ``groups`` under ``model`` and return a loss to backpropagate. Called by the learner once
-        per micro-batch; a micro-batch holds whole groups, so group baselines are never split."""
+        per micro-batch; a micro-batch holds whole groups, so group baselines are never split. ``scoring``
+        (from the learner's config) goes to every ``completion_logprobs`` call the loss makes."""
         ...
 
     def inert(self, group: RolloutGroup) -> bool:
@@ -315,7 +317,7 @@ class GRPOLoss(Loss):
 
     def compute(
         self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, proximal_logp: Tensor | None = None,
-        policy_version: int | None = None,
+        policy_version: int | None = None, scoring: ScoringOptions = PLAIN,
     ) -> LossOutput:
         """Loss of ``groups`` under ``model``.
 
@@ -330,14 +332,15 @@ class GRPOLoss(Loss):
         masks = [r.sample.loss_mask for r in rollouts]  # multi-turn: environment tokens stay out of the loss
         scored = completion_logprobs(model, prompts, completions, temperature=self.sampling.temperature,
                                      pad_id=self.pad_id, with_entropy=self.cfg.entropy_coef > 0,
-                                     loss_masks=masks if any(m is not None for m in masks) else None)
+                                     loss_masks=masks if any(m is not None for m in masks) else None,
+                                     scoring=scoring)
         device = scored.logprobs.device
         advantages = self.advantages(groups)
         behaviour = _padded([r.sample.logprobs for r in rollouts], scored.mask.shape[1], device)
         old = scored.logprobs.detach() if proximal_logp is None else proximal_logp
         staleness = to_device(token_staleness(rollouts, scored.mask.shape[1], policy_version), device)
         loss, metrics = policy_loss(scored.logprobs, old, behaviour, to_device(advantages.numpy(), device), scored.mask,
-                                    self.cfg, ref_logp=self._ref_logprobs(model, prompts, completions),
+                                    self.cfg, ref_logp=self._ref_logprobs(model, prompts, completions, scoring),
                                     entropy=scored.entropy, staleness=staleness, max_tokens=self.sampling.max_tokens)
         out: dict[str, float | Tensor] = {**metrics, **_batch_metrics(rollouts, advantages)}
         return LossOutput(loss=loss, metrics=out, num_tokens=scored.num_scored)
@@ -360,11 +363,11 @@ class GRPOLoss(Loss):
         return torch.cat(per_group)
 
     def _ref_logprobs(self, model: torch.nn.Module, prompts: list[tuple[int, ...]],
-                      completions: list[tuple[int, ...]]) -> Tensor | None:
+                      completions: list[tuple[int, ...]], scoring: ScoringOptions) -> Tensor | None:
         if self.ref_model is None:
             return None
         return reference_logprobs(self.ref_model, model, prompts, completions,
-                                  temperature=self.sampling.temperature, pad_id=self.pad_id)
+                                  temperature=self.sampling.temperature, pad_id=self.pad_id, scoring=scoring)
 
 
 def _rollouts_of(groups: Sequence[RolloutGroup]) -> list[Rollout]:

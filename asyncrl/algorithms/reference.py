@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.logprobs import PLAIN, ScoringOptions, completion_logprobs
 
 __all__ = ["PolicyReference", "Reference", "reference_logprobs"]
 
@@ -29,8 +29,10 @@ Reference = torch.nn.Module | PolicyReference  # what a loss's ``ref_model`` may
 
 
 def reference_logprobs(ref: Reference, policy: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                       completions: Sequence[Sequence[int]], *, temperature: float, pad_id: int) -> Tensor:
-    """``completion_logprobs`` under the reference, without grad."""
+                       completions: Sequence[Sequence[int]], *, temperature: float, pad_id: int,
+                       scoring: ScoringOptions = PLAIN) -> Tensor:
+    """``completion_logprobs`` under the reference, without grad, scored as the policy is (``scoring``)."""
     scope = contextlib.nullcontext(ref) if isinstance(ref, torch.nn.Module) else ref.scope(policy)
     with torch.no_grad(), scope as model:
-        return completion_logprobs(model, prompts, completions, temperature=temperature, pad_id=pad_id).logprobs
+        return completion_logprobs(model, prompts, completions, temperature=temperature, pad_id=pad_id,
+                                   scoring=scoring).logprobs

@@ -13,33 +13,13 @@ float rounding); packing just stops paying for padding tokens.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
-
-_PACKED = contextvars.ContextVar("asyncrl_packed_scoring", default=False)
-
-
-@contextlib.contextmanager
-def packed_scoring(enabled: bool = True) -> Iterator[None]:
-    """Within this block ``completion_logprobs`` packs rows unless told otherwise. The learner enters it around
-    each micro-batch (``LearnerConfig.packing``), like autocast, so a ``Loss`` needs no packing argument."""
-    token = _PACKED.set(enabled)
-    try:
-        yield
-    finally:
-        _PACKED.reset(token)
-
-
-def packing_enabled() -> bool:
-    return _PACKED.get()
-
 
 @dataclass(frozen=True, slots=True)
 class Rows:

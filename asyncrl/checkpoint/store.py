@@ -30,7 +30,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import Field, field_validator
 
-from asyncrl.aio import settle
+from asyncrl.aio import TaskOwner, settle
 from asyncrl.checkpoint.files import TMP_PREFIX, fsync_dir, move_into_place, sha256, write_file
 from asyncrl.checkpoint.rng import rng_state, set_rng_state
 from asyncrl.checkpoint.weights import ADAPTER_FILE, WEIGHTS_FILE, cpu_weights, load_weights
@@ -131,8 +131,9 @@ class CheckpointCounters:
 class Checkpointer:
     """Writes checkpoints of a learner into ``config.dir`` and prunes old ones.
 
-    Use as ``async with``: the block owns the background write, which is finished (and its error raised) at
-    the end, even when the block is left by a cancellation (a write in a thread cannot be cut short safely).
+    Use as ``async with``: the block owns the background write (a task of its ``TaskOwner``), which is finished
+    (and its error raised) at the end, even when the block is left by a cancellation: a write in a thread
+    cannot be cut short safely, so the write is awaited to its end rather than cancelled.
     """
 
     def __init__(self, config: CheckpointConfig) -> None:
@@ -140,7 +141,8 @@ class Checkpointer:
         self.dir = Path(config.dir)
         self.counters = CheckpointCounters()
         self.last: Checkpoint | None = None  # newest checkpoint this object wrote
-        self._pending: asyncio.Task[Checkpoint] | None = None
+        self._pending: asyncio.Task[Checkpoint] | None = None  # the write in flight
+        self._writes = TaskOwner("checkpoint")
 
     async def __aenter__(self) -> Checkpointer:
         return self
@@ -154,6 +156,8 @@ class Checkpointer:
             if exc is None:
                 raise
             log.exception("checkpoint write failed while the run was already failing")
+        finally:
+            await self._writes.aclose()  # finished above: nothing is left to cancel
 
     async def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState
                    ) -> Checkpoint:
@@ -174,7 +178,7 @@ class Checkpointer:
         snapshot = await asyncio.to_thread(_snapshot, model, optimizer, state, meta_json)
         self.counters.wait_s += t1 - t0
         self.counters.snapshot_s = time.perf_counter() - t1
-        self._pending = asyncio.create_task(self._write_in_thread(snapshot), name=f"checkpoint-{snapshot.step}")
+        self._pending = self._writes.start(self._write_in_thread(snapshot), name=f"checkpoint-{snapshot.step}")
 
     async def wait(self) -> Checkpoint | None:
         """Finish the write in flight (raising its error); the newest checkpoint written, if any.

@@ -12,12 +12,16 @@ import asyncio
 import multiprocessing
 import multiprocessing.connection
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from asyncrl.aio import TaskOwner
 from asyncrl.errors import EngineError
 
 T = TypeVar("T")
+# A call cut short by a death is cancelled and awaited this long at most: a dead engine never answers it, and a
+# call that holds on to its cancellation must not hold the caller with it.
+RACE_CLOSE_TIMEOUT_S = 5.0
 
 
 class Death:
@@ -43,23 +47,21 @@ class Death:
         assert self.error is not None
         return self.error
 
-    async def race(self, aw: Awaitable[T]) -> T:
-        """Await ``aw`` unless the engine dies first: then ``aw`` is cancelled and the death raised (a dead
-        engine never answers the call). Cancelling the caller cancels ``aw``."""
-        task = asyncio.ensure_future(aw)
+    async def race(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` unless the engine dies first: then it is cancelled and the death raised (a dead
+        engine never answers the call). Cancelling the caller cancels it. Both it and the wait for the death
+        are tasks of a ``TaskOwner`` scoped to this call: neither outlives it."""
         if self.error is not None:
-            task.cancel()  # never started: nothing reaches the dead engine
+            coro.close()  # never started: nothing reaches the dead engine
             raise self.error
-        dead = asyncio.ensure_future(self._event.wait())
-        try:
+        async with TaskOwner("death-race", timeout_s=RACE_CLOSE_TIMEOUT_S) as owner:
+            task = owner.start(coro)
+            dead = owner.start(self._event.wait())
             await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 return task.result()
             assert self.error is not None
             raise self.error
-        finally:
-            task.cancel()
-            dead.cancel()
 
 
 def watch_sentinels(sentinels: list[Any], name: str, died: Callable[[], object]) -> Any:

@@ -23,7 +23,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from asyncrl.aio import settle
+from asyncrl.aio import TaskOwner, settle
 from asyncrl.config import SamplingConfig
 from asyncrl.config_base import Flag, config
 from asyncrl.engines.protocols import BehaviourPrecision, Engine, EngineError, Sampler, WeightUpdate, WeightUpdateError
@@ -49,7 +49,9 @@ class PoolConfig:
 
 
 class EnginePool(Engine):
-    """``Engine`` over N engines (e.g. ``RemoteVLLMEngine``s, one per server). Owns them: ``close`` closes all."""
+    """``Engine`` over N engines (e.g. ``RemoteVLLMEngine``s, one per server). Owns them: ``close`` closes all.
+    The per-member tasks of ``prepare`` and ``wait_dead`` belong to a ``TaskOwner`` scoped to the call: none
+    outlives it."""
 
     def __init__(self, engines: Sequence[Engine], config: PoolConfig | None = None, *, name: str = "pool") -> None:
         if not engines:
@@ -178,17 +180,18 @@ class EnginePool(Engine):
         if not live:
             raise EngineError(self.name, "no engine left in rotation")
         first = await self._prepare_on(live[0], update)
-        jobs = [asyncio.ensure_future(self._prepare_on(m, first)) for m in live[1:]]
         failed: BaseException | None = asyncio.CancelledError()  # until every member is known prepared
-        try:  # settle: a cancellation waits for the members' staging, so it can be let go of below
-            await settle(asyncio.gather(*jobs, return_exceptions=True), "preparing the pool's members")
-            failed = next((j.exception() for j in jobs if j.exception() is not None), None)
-        finally:
-            prepared = [(live[0], first)] + [(m, j.result()) for m, j in zip(live[1:], jobs)
-                                              if j.done() and not j.cancelled() and j.exception() is None]
-            if failed is not None:  # every member that did prepare lets go of its staging
-                for member, own in prepared:
-                    member.engine.release(own)
+        async with TaskOwner(f"{self.name}-prepare") as owner:  # settled below: the owner is a backstop
+            jobs = [owner.start(self._prepare_on(m, first)) for m in live[1:]]
+            try:  # settle: a cancellation waits for the members' staging, so it can be let go of below
+                await settle(asyncio.gather(*jobs, return_exceptions=True), "preparing the pool's members")
+                failed = next((j.exception() for j in jobs if j.exception() is not None), None)
+            finally:
+                prepared = [(live[0], first)] + [(m, j.result()) for m, j in zip(live[1:], jobs)
+                                                  if j.done() and not j.cancelled() and j.exception() is None]
+                if failed is not None:  # every member that did prepare lets go of its staging
+                    for member, own in prepared:
+                        member.engine.release(own)
         if failed is not None:
             raise failed
         self._prepared[update.version] = prepared
@@ -288,12 +291,9 @@ class EnginePool(Engine):
             live = [m for m in self._members if m.alive]
             if not live:
                 return EngineError(self.name, "every engine stopped answering")
-            waits = {asyncio.ensure_future(m.engine.wait_dead()): m for m in live}
-            try:
+            async with TaskOwner(f"{self.name}-wait-dead") as owner:  # the waits still running end with it
+                waits = {owner.start(m.engine.wait_dead()): m for m in live}
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
             for w in done:
                 member, error = waits[w], w.result()
                 if not self._drop_dead:

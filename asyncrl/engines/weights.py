@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.aio import TaskOwner
 from asyncrl.engines.owned_dirs import collect_dead_owners, make_owned_dir
 from asyncrl.errors import WeightUpdateError
 
@@ -172,13 +173,14 @@ async def stage_in_thread(write: Callable[[threading.Event], StagedWeights]) -> 
     """``write(abandon)`` in a worker thread; it should check ``abandon`` before it starts writing. A cancelled
     caller sets it, waits for a write under way and removes what it wrote, so nothing outlives the call."""
     abandon = threading.Event()
-    job = asyncio.ensure_future(asyncio.to_thread(write, abandon))
-    try:
-        return await asyncio.shield(job)
-    except asyncio.CancelledError:
-        abandon.set()
-        await _release_when_done(job)
-        raise
+    async with TaskOwner("stage-weights") as owner:  # awaited to its end on every path: the owner is a backstop
+        job = owner.start(asyncio.to_thread(write, abandon))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            abandon.set()
+            await _release_when_done(job)
+            raise
 
 
 async def _release_when_done(job: asyncio.Future[StagedWeights]) -> None:

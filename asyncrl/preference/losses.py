@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor
 
-from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.logprobs import PLAIN, ScoringOptions, completion_logprobs
 from asyncrl.algorithms.losses import Loss, LossOutput, masked_mean
 from asyncrl.algorithms.reference import Reference, reference_logprobs
 from asyncrl.config import ConfigError, SamplingConfig
@@ -107,14 +107,15 @@ class _Scored:
     proximal/behaviour sequence log-ratios for importance weights."""
 
     def __init__(self, loss: _PreferenceLoss, model: torch.nn.Module, prompts: list[tuple[int, ...]],
-                 samples: list[Sample]) -> None:
+                 samples: list[Sample], scoring: ScoringOptions) -> None:
         completions = [s.token_ids for s in samples]
         scored = completion_logprobs(model, prompts, completions, temperature=loss.sampling.temperature,
-                                     pad_id=loss.pad_id)
+                                     pad_id=loss.pad_id, scoring=scoring)
         self.mask = scored.mask.to(scored.logprobs.dtype)
         self.token_logp = scored.logprobs
         self.ref_token_logp = reference_logprobs(loss.ref_model, model, prompts, completions,
-                                                 temperature=loss.sampling.temperature, pad_id=loss.pad_id)
+                                                 temperature=loss.sampling.temperature, pad_id=loss.pad_id,
+                                                 scoring=scoring)
         self.logp = (self.token_logp * self.mask).sum(-1)
         self.ref_logp = (self.ref_token_logp * self.mask).sum(-1)
         behaviour = torch.zeros_like(self.mask)
@@ -136,11 +137,11 @@ class _PreferenceLoss(Loss):
         self.pad_id = pad_id
 
     def _dpo(self, model: torch.nn.Module, samples: list[Sample], prompts: list[tuple[int, ...]],
-             pairs: list[tuple[int, int]], decisive: list[bool] | None = None
+             pairs: list[tuple[int, int]], scoring: ScoringOptions, decisive: list[bool] | None = None
              ) -> tuple[Tensor, dict[str, Tensor], _Scored]:
         """The DPO/IPO loss of ``pairs`` (indices of chosen and rejected into ``samples``, each scored once) as a
         mean over the ``decisive`` ones (default all), and its metrics."""
-        scored = _Scored(self, model, prompts, samples)
+        scored = _Scored(self, model, prompts, samples, scoring)
         c = torch.tensor([i for i, _ in pairs], device=scored.logp.device)
         r = torch.tensor([j for _, j in pairs], device=scored.logp.device)
         losses, h = dpo_losses(scored.logp[c], scored.logp[r], scored.ref_logp[c], scored.ref_logp[r],
@@ -168,14 +169,15 @@ class OnlineDPOLoss(_PreferenceLoss):
 
     min_group_size = 2  # a pair
 
-    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, scoring: ScoringOptions = PLAIN,
+                **_: object) -> LossOutput:
         samples, prompts, pairs = [], [], []
         for g in _non_empty(groups):
             first = len(samples)
             samples.extend(r.sample for r in g.rollouts)
             prompts.extend(g.prompt.token_ids for _ in g.rollouts)
             pairs.extend((first + i, first + j) for i, j in self._pairs(g.rewards))
-        loss, metrics, _ = self._dpo(model, samples, prompts, pairs)
+        loss, metrics, _ = self._dpo(model, samples, prompts, pairs, scoring)
         return LossOutput(loss=loss, metrics={**metrics, "loss/total": loss.detach()},
                           num_tokens=sum(g.num_tokens for g in groups))
 
@@ -197,7 +199,8 @@ class XPOLoss(_PreferenceLoss):
 
     min_group_size = 1
 
-    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, scoring: ScoringOptions = PLAIN,
+                **_: object) -> LossOutput:
         samples, prompts, pairs, decisive, opponent_at = [], [], [], [], []
         for g in _non_empty(groups):
             opponents = g.companions.get(OPPONENTS, ())
@@ -212,7 +215,7 @@ class XPOLoss(_PreferenceLoss):
                 pairs.append((mine, theirs) if r.reward > 0.5 else (theirs, mine))
                 decisive.append(r.reward != 0.5)
                 opponent_at.append(theirs)
-        dpo, metrics, scored = self._dpo(model, samples, prompts, pairs, decisive)
+        dpo, metrics, scored = self._dpo(model, samples, prompts, pairs, scoring, decisive)
         opponent_logp = scored.logp[torch.tensor(opponent_at, device=scored.logp.device)]
         exploration = self.cfg.alpha * opponent_logp.mean()
         loss = dpo + exploration
@@ -226,10 +229,11 @@ class NashMDLoss(_PreferenceLoss):
 
     min_group_size = 1
 
-    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **_: object) -> LossOutput:
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], *, scoring: ScoringOptions = PLAIN,
+                **_: object) -> LossOutput:
         rollouts = [r for g in _non_empty(groups) for r in g.rollouts]
         prompts = [g.prompt.token_ids for g in groups for _ in g.rollouts]
-        scored = _Scored(self, model, prompts, [r.sample for r in rollouts])
+        scored = _Scored(self, model, prompts, [r.sample for r in rollouts], scoring)
         win = torch.tensor([r.reward for r in rollouts], dtype=scored.logp.dtype, device=scored.logp.device)
         losses, kl = nash_md_losses(scored.token_logp, scored.ref_token_logp, scored.mask, win, self.cfg.beta)
         weights = (pair_weights(scored.behaviour_log_ratio, self.cfg.is_cap) if self.cfg.is_correction

@@ -108,7 +108,7 @@ class NoOpLoss:
 
     min_group_size = 1  # any group will do: nothing is learned from it anyway
 
-    def compute(self, model: Any, groups: Any) -> Any:
+    def compute(self, model: Any, groups: Any, **kw: Any) -> Any:
         from asyncrl.algorithms.losses import LossOutput
 
         param = next(model.parameters())

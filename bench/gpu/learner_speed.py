@@ -28,7 +28,7 @@ ones; each run records dynamo's graph breaks.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import copy
 import itertools
 import time
@@ -160,10 +160,8 @@ def warm(args: argparse.Namespace, backend: Any, vocab: int) -> None:
 
 
 def measure(args: argparse.Namespace, base: Any, variant: dict[str, Any]) -> dict[str, Any]:
-    from asyncrl.algorithms.head import scoring_from_logits
-
-    with scoring_from_logits() if variant["scoring"] == "logits" else contextlib.nullcontext():
-        return _measure(args, base, learner_config(args, variant)) | {"scoring": variant["scoring"]}
+    cfg = dataclasses.replace(learner_config(args, variant), score_from_logits=variant["scoring"] == "logits")
+    return _measure(args, base, cfg) | {"scoring": variant["scoring"]}
 
 
 def _measure(args: argparse.Namespace, base: Any, cfg: Any) -> dict[str, Any]:

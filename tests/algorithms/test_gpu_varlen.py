@@ -42,7 +42,7 @@ def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: str) -> N
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncrl.actors.training import compile_elementwise, compile_layers
-    from asyncrl.algorithms.head import compiled_head
+    from asyncrl.algorithms import ScoringOptions
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -60,8 +60,8 @@ def test_bf16_learner_scores_and_gradients_match_padded_sdpa(compiled: str) -> N
     counters.clear()
     results = []
     for m, packed in ((model, False), (fast, True)):
-        with compiled_head(compiled != "off" and packed):
-            out = completion_logprobs(m, prompts, completions, packed=packed)
+        scoring = ScoringOptions(packed=packed, compiled_head=compiled != "off" and packed)
+        out = completion_logprobs(m, prompts, completions, scoring=scoring)
         (out.logprobs.sum() / out.mask.sum()).backward()
         results.append((out, torch.cat([p.grad.float().flatten() for p in m.parameters()])))
     (ref, ref_grad), (got, got_grad) = results

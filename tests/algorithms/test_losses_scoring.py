@@ -196,10 +196,10 @@ def test_the_step_runs_in_the_learners_own_thread_at_its_niceness(model: torch.n
     seen: list[tuple[int, int]] = []
 
     class Recording(GRPOLoss):
-        def compute(self, model_, groups_):  # type: ignore[no-untyped-def]
+        def compute(self, model_, groups_, **kw):  # type: ignore[no-untyped-def]
             tid = threading.get_native_id()
             seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
-            return super().compute(model_, groups_)
+            return super().compute(model_, groups_, **kw)
 
     async def two_steps(nice: int) -> None:
         copy_ = copy.deepcopy(model).train()

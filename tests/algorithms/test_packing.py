@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.actors.training import LocalBackend, chunks, forward_tokens
-from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, packed_scoring
+from asyncrl.algorithms import GRPOLoss, LossConfig, ScoringOptions, completion_logprobs
 from asyncrl.algorithms.rows import pack, packed_rows
 from asyncrl.config import ConfigError, LearnerConfig
 from asyncrl.distributed.partition import plan_batch
@@ -99,16 +99,16 @@ def _with_cache(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tenso
     return scored.gather(-1, rows.targets[..., None]).squeeze(-1) * rows.mask
 
 
-def test_packed_scoring_context_switches_the_default(model: torch.nn.Module) -> None:
+def test_scoring_options_switch_the_default(model: torch.nn.Module) -> None:
     seen: list[bool] = []
     hook = model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: seen.append("attention_mask" in kw),
                                                          with_kwargs=True)
     try:
         with torch.no_grad():
             completion_logprobs(model, PROMPTS, COMPLETIONS)
-            with packed_scoring():
-                completion_logprobs(model, PROMPTS, COMPLETIONS)
-                completion_logprobs(model, PROMPTS, COMPLETIONS, packed=False)  # an explicit choice wins
+            packing = ScoringOptions(packed=True)  # as the learner passes it with LearnerConfig.packing
+            completion_logprobs(model, PROMPTS, COMPLETIONS, scoring=packing)
+            completion_logprobs(model, PROMPTS, COMPLETIONS, packed=False, scoring=packing)  # explicit wins
             completion_logprobs(model, PROMPTS, COMPLETIONS)
     finally:
         hook.remove()

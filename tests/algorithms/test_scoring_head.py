@@ -4,7 +4,6 @@ must keep the whole-model path get it."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import head as head_mod
-from asyncrl.algorithms.logprobs import completion_logprobs
+from asyncrl.algorithms.logprobs import PLAIN, ScoringOptions, completion_logprobs
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
 COMPLETIONS = [[10, 11, 12, 13], [14], [15, 16, 17], [18, 19]]
@@ -30,14 +29,25 @@ def _qwen(vocab: int = 97) -> torch.nn.Module:
 
 def _score(model: torch.nn.Module, fused: bool, **kw: Any) -> tuple[Any, dict]:
     model = copy.deepcopy(model)
-    with contextlib.nullcontext() if fused else head_mod.scoring_from_logits():
-        out = completion_logprobs(model, PROMPTS, COMPLETIONS, loss_masks=MASKS, **kw)
+    scoring = PLAIN if fused else ScoringOptions(from_logits=True)
+    out = completion_logprobs(model, PROMPTS, COMPLETIONS, loss_masks=MASKS, scoring=scoring, **kw)
     weights = torch.arange(1.0, out.logprobs.shape[1] + 1)
     loss = (out.logprobs * weights).sum()
     if out.entropy is not None:
         loss = loss + 0.3 * (out.entropy * weights.flip(0)).sum()
     loss.backward()
     return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _head_called(model: torch.nn.Module, scoring: ScoringOptions) -> bool:
+    calls: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            completion_logprobs(model, PROMPTS, COMPLETIONS, scoring=scoring)
+    finally:
+        hook.remove()
+    return bool(calls)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -47,8 +57,8 @@ def test_hidden_state_scoring_equals_logit_scoring(monkeypatch: pytest.MonkeyPat
                                                    rows_per_chunk: int | None) -> None:
     model = _qwen()
     assert head_mod.decoder_and_head(model) is not None  # the path under test is the one taken
-    with head_mod.scoring_from_logits():
-        assert head_mod.decoder_and_head(model) is None  # and the one compared with is the other
+    assert not _head_called(model, PLAIN)  # the head's weight is used chunk by chunk, not its forward
+    assert _head_called(model, ScoringOptions(from_logits=True))  # and the one compared with is the other
     if rows_per_chunk:  # 8 scored tokens in chunks of 2: the chunk loop and its boundaries are exercised
         monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", rows_per_chunk * 97)
     kw = {"temperature": 0.7, "with_entropy": entropy, "packed": packed}

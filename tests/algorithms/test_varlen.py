@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from asyncrl.actors.training import LocalBackend
 from asyncrl.algorithms import GRPOLoss, LossConfig, completion_logprobs, varlen
-from asyncrl.algorithms.head import chosen_logprobs, compiled_head
+from asyncrl.algorithms.head import chosen_logprobs
 from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import packed_rows
 from asyncrl.config import ConfigError, LearnerConfig
@@ -175,8 +175,7 @@ def test_compiled_head_maths_equals_eager_with_entropy_and_temperature() -> None
     weights = torch.randn(37), torch.randn(37)
     results = []
     for compiled in (False, True):
-        with compiled_head(compiled):
-            lp, ent = chosen_logprobs(hidden, weight, targets, 0.7, with_entropy=True)
+        lp, ent = chosen_logprobs(hidden, weight, targets, 0.7, with_entropy=True, compiled=compiled)
         grads = torch.autograd.grad((lp * weights[0]).sum() + (ent * weights[1]).sum(), (hidden, weight))
         results.append((lp, ent, *grads))
     for eager, fused in zip(*results):

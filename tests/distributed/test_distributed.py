@@ -4,6 +4,7 @@ checkpoint saved at 2 ranks resumes at 1 and exports to Hugging Face format."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -108,15 +109,14 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     # from the full logits, as a sharded model must (tests/algorithms/test_scoring_head.py checks that scoring
     # from hidden states, the unsharded default, agrees with it; Adam would turn that rounding into 3e-5 after
     # three steps).
-    from asyncrl.algorithms.head import scoring_from_logits
+    from asyncrl.algorithms import ScoringOptions
 
     args = example.parse_args(argv)
     model = load_hf_model(tiny_model_dir)
-    cfg = example.learner_config(args)
+    cfg = dataclasses.replace(example.learner_config(args), score_from_logits=True)
     local = LocalBackend(model, torch.optim.AdamW(model.parameters(), lr=args.lr), example.make_loss(args), cfg)
     assert any(not is_inert(local.loss, cfg, g) for b in batches for g in b), "nothing was trained"
-    with scoring_from_logits():
-        metrics = [local.train_step(b, i) for i, b in enumerate(batches)]
+    metrics = [local.train_step(b, i) for i, b in enumerate(batches)]
     assert [m["loss/total"] for m in metrics] == pytest.approx(result["losses"], abs=1e-5)
     assert [m["train/grad_norm"] for m in metrics] == pytest.approx(result["grad_norms"], rel=1e-5, abs=1e-6)
     sharded = {k: v for f in (tmp_path / "final").glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -130,9 +130,10 @@ async def test_two_rank_learner_equals_one_process_and_publishes_to_vllm(server,
     assert moved > 1e-4  # the steps did change the weights
 
     # The server serves the sharded learner's last publication.
-    with torch.no_grad(), scoring_from_logits():
+    with torch.no_grad():
         for ids, got in zip(_script("fsdp_learner").SEQS, result["engine_logprobs"], strict=True):
-            want = completion_logprobs(model, [ids[:1]], [ids[1:]]).logprobs[0].tolist()
+            want = completion_logprobs(model, [ids[:1]], [ids[1:]],
+                                       scoring=ScoringOptions(from_logits=True)).logprobs[0].tolist()
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL
 
 

@@ -4,6 +4,7 @@ and stays put, and an adapter-only sharded checkpoint resumes exactly (at 2 rank
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -59,7 +60,9 @@ def _local(model_dir: Path, seed: int | None = None) -> LocalBackend:
     base = load_hf_model(model_dir)
     torch.manual_seed(script.ADAPTER_SEED if seed is None else seed)
     model = apply_lora(base, script.LORA).train()
-    return LocalBackend(model, default_optimizer(model, script.LEARNER), script.loss(), script.LEARNER)
+    # A sharded model is scored from its full logits, so this one is too (the step compared with it).
+    cfg = dataclasses.replace(script.LEARNER, score_from_logits=True)
+    return LocalBackend(model, default_optimizer(model, cfg), script.loss(), cfg)
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
@@ -70,15 +73,13 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], a
 
 @pytest.mark.timeout(240)
 def test_two_rank_lora_steps_equal_the_single_process_steps(run: Path, tiny_model_dir: Path) -> None:
-    from asyncrl.algorithms.head import scoring_from_logits
     from asyncrl.lora import adapter_state
     from tests.support.scripts.fsdp_checkpoint import batches
 
     local = _local(tiny_model_dir)  # rank 1 seeded its adapter otherwise: shard_model gave it rank 0's
     sharded = _metrics(run, "first")
     for step, batch in enumerate(batches()):
-        with scoring_from_logits():  # a sharded model is scored from its full logits
-            metrics = local.train_step(batch, step)
+        metrics = local.train_step(batch, step)  # from the full logits, as the sharded model (``_local``)
         assert metrics["loss/total"] == pytest.approx(sharded[step]["loss/total"], abs=1e-6)
         assert metrics["loss/kl"] == pytest.approx(sharded[step]["loss/kl"], abs=1e-7)
         assert metrics["train/grad_norm"] == pytest.approx(sharded[step]["train/grad_norm"], rel=1e-5)
@@ -114,7 +115,6 @@ def test_an_adapter_only_sharded_checkpoint_resumes_exactly(run: Path, tiny_mode
     from torch.distributed.checkpoint import FileSystemReader
 
     from asyncrl.distributed.checkpoint import load_sharded
-    from asyncrl.algorithms.head import scoring_from_logits
     from asyncrl.lora import adapter_state
     from tests.support import load_hf_model
     from tests.support.scripts.fsdp_checkpoint import batches
@@ -138,8 +138,7 @@ def test_an_adapter_only_sharded_checkpoint_resumes_exactly(run: Path, tiny_mode
     assert meta["step"] == 2 and meta["weights"] == "adapter"
     _assert_close({k: v.detach().clone() for k, v in adapter_state(local.model).items()},
                   _adapters(run, "first", 2), atol=0.0)
-    with scoring_from_logits():
-        local.train_step(batches()[2], 2)
+    local.train_step(batches()[2], 2)  # from the full logits (``_local``)
     _assert_close(dict(adapter_state(local.model)), _adapters(run, "first", 3), atol=1e-6)
     with pytest.raises(ValueError, match="holds a LoRA adapter"):
         load_sharded(ckpt, load_hf_model(tiny_model_dir))

@@ -349,8 +349,8 @@ async def test_the_file_transport_restores_the_last_good_weights_after_a_failed_
 
 async def test_a_non_finite_gradient_refuses_the_step_before_the_weights_change():
     class NanLoss(RecordingLoss):
-        def compute(self, model, groups):
-            out = super().compute(model, groups)
+        def compute(self, model, groups, **kw):
+            out = super().compute(model, groups, **kw)
             return dataclasses.replace(out, loss=out.loss + model.weight.sum() * math.nan)
 
     pipe = grpo_pipeline(FakeEngine(), torch.nn.Linear(2, 2), prompts(50), RewardGroups(lambda p, s: 1.0), config(),

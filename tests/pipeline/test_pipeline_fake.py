@@ -151,7 +151,7 @@ async def test_fail_fast_policy_stops_the_run_with_the_error():
 
 async def test_learner_exception_stops_everything_and_reaches_the_caller():
     class Boom(RecordingLoss):
-        def compute(self, model, groups):
+        def compute(self, model, groups, **kw):
             raise RuntimeError("learner exploded")
 
     engine = FakeEngine()
@@ -286,11 +286,11 @@ async def test_overlapped_publication_trains_the_next_step_meanwhile():
     seen_engine_versions: list[int] = []
 
     class GateLoss(RecordingLoss):
-        def compute(self, model, groups):
+        def compute(self, model, groups, **kw):
             seen_engine_versions.append(engine.version)
             if len(seen_engine_versions) == 2:  # step 2 is training while publication 1 is still held
                 loop.call_soon_threadsafe(engine.held.set)
-            return super().compute(model, groups)
+            return super().compute(model, groups, **kw)
 
     cfg = config(max_staleness=2)
     cfg = dataclasses.replace(cfg, learner=dataclasses.replace(

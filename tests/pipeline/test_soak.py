@@ -181,7 +181,7 @@ def save_figures(fig: Figures) -> None:
 class SmallLoss(Loss):
     min_group_size = 1
 
-    def compute(self, model, groups):
+    def compute(self, model, groups, **kw):
         x = torch.tensor([[float(t) for t in (g.prompt.token_ids * 4)[:4]] for g in groups])
         y = torch.tensor([sum(r.reward for r in g.rollouts) for g in groups])
         loss = (model(x).squeeze(-1) - y).square().mean()

@@ -51,9 +51,9 @@ def _step(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Module, 
     calls = [0]
 
     class Counting(GRPOLoss):
-        def compute(self, model_, groups_):  # type: ignore[no-untyped-def]
+        def compute(self, model_, groups_, **kw):  # type: ignore[no-untyped-def]
             calls[0] += 1
-            return super().compute(model_, groups_)
+            return super().compute(model_, groups_, **kw)
 
     trained = copy.deepcopy(model).train()
     backend = LocalBackend(trained, torch.optim.SGD(trained.parameters(), lr=0.1), Counting(LossConfig()), cfg)

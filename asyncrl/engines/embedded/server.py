@@ -49,7 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncrl.aio import settle
+from asyncrl.aio import TaskOwner, settle
 from asyncrl.engines.protocols import Engine, WeightUpdate
 from asyncrl.engines.updates import InMemory
 from asyncrl.errors import ConfigError, EngineError, WeightUpdateError
@@ -77,7 +77,10 @@ def _engine_errors(exc: Exception) -> HTTPError | None:
 
 
 class EngineControl:
-    """HTTP control of an engine for a learner in another process. Add ``routes()`` to the host app."""
+    """HTTP control of an engine for a learner in another process. Add ``routes()`` to the host app.
+
+    The pause lease (a task that resumes the engine if a pause is held too long) is owned by its
+    ``TaskOwner``: ``detach`` and ``close`` cancel and await every lease task."""
 
     def __init__(self, engine: Engine | None, token: str, *, max_pause_s: float = 300.0,
                  weights_root: str | Path | None = None) -> None:
@@ -92,7 +95,7 @@ class EngineControl:
         self._absent = "engine not started yet"  # the 503 while no engine is attached
         self._lock = asyncio.Lock()  # one control call at a time
         self._lease: asyncio.Task[None] | None = None  # the current lease
-        self._leases: set[asyncio.Task[None]] = set()  # every lease task not finished yet, awaited by detach
+        self._leases = TaskOwner("asyncrl-pause-lease")  # every lease task not finished yet
         self._unpaused = asyncio.Event()  # clear while a pause is held
         self._unpaused.set()
         self._prepared: WeightUpdate | None = None  # what ``prepare`` readied for the next load
@@ -141,7 +144,7 @@ class EngineControl:
             self._release_prepared()
             self._engine = None
             self._absent = f"engine closed: {why}"
-        await asyncio.gather(*self._leases, return_exceptions=True)  # cancelled above: their ends, awaited
+        await self._leases.aclose()  # cancelled above: their ends, awaited
         return engine
 
     @contextlib.asynccontextmanager
@@ -163,9 +166,7 @@ class EngineControl:
     async def close(self) -> None:
         """Detach without waiting: a held pause is resumed now, a prepared update released. Idempotent."""
         await self.detach(release_timeout_s=0)
-        for lease in list(self._leases):  # started after a detach (by a call that was already past the lock)
-            lease.cancel()
-        await asyncio.gather(*self._leases, return_exceptions=True)
+        await self._leases.aclose()  # started after a detach (by a call that was already past the lock)
 
     def routes(self, prefix: str = CONTROL_PREFIX) -> list[web.RouteDef]:
         prefix = prefix.rstrip("/")
@@ -300,9 +301,7 @@ class EngineControl:
     def _start_lease(self, engine: Engine) -> None:
         self._cancel_lease()
         if math.isfinite(self.max_pause_s):
-            self._lease = asyncio.create_task(self._expire(engine), name="asyncrl-pause-lease")
-            self._leases.add(self._lease)
-            self._lease.add_done_callback(self._leases.discard)
+            self._lease = self._leases.start(self._expire(engine))
 
     def _cancel_lease(self) -> None:
         if self._lease is not None:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.aio import settle, together
+from asyncrl.aio import TaskOwner, settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
 from asyncrl.engines.death import Death, watch_sentinels
@@ -112,16 +112,18 @@ class VLLMEngine(Engine):
         args, env = engine_args(cfg), engine_env(cfg)
         set_vllm_log_level(cfg)  # after engine_args: importing vLLM sets the level from the environment
         rpc_dir = make_rpc_dir()
-        starting = asyncio.ensure_future(asyncio.to_thread(start_llm, args, env, rpc_dir))
-        try:
-            llm = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
-            await settle(close_when_started(starting, rpc_dir, lambda llm: cls(llm, cfg, name, rpc_dir)._abandon()),
-                         "closing a cancelled engine start")
-            raise
-        except BaseException:
-            remove_rpc_dir(rpc_dir)  # vLLM has shut down what it had started
-            raise
+        async with TaskOwner(f"{name}-start") as owner:  # awaited to its end on every path: a backstop
+            starting = owner.start(asyncio.to_thread(start_llm, args, env, rpc_dir))
+            try:
+                llm = await asyncio.shield(starting)
+            except asyncio.CancelledError:  # the start-up thread cannot be stopped: shut down what it starts
+                await settle(close_when_started(starting, rpc_dir,
+                                                lambda llm: cls(llm, cfg, name, rpc_dir)._abandon()),
+                             "closing a cancelled engine start")
+                raise
+            except BaseException:
+                remove_rpc_dir(rpc_dir)  # vLLM has shut down what it had started
+                raise
         engine = cls(llm, cfg, name, rpc_dir)
         try:
             engine._watch()

@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from asyncrl.aio import settle, together
+from asyncrl.aio import TaskOwner, settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import completion_room
 from asyncrl.engines.death import Death
@@ -199,7 +199,7 @@ class RemoteVLLMEngine(Engine):
                     builder.add(event, version())
         except asyncio.CancelledError:
             # Closing the stream alone does not reach a request frozen by a ``keep`` pause: abort it too.
-            await asyncio.shield(self._abort_on_server(request_id))
+            await settle(self._abort_on_server(request_id), f"aborting {request_id}")  # awaited, even if re-cancelled
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(self.name, f"request {request_id} to {self._cfg.base_url} failed: {exc!r}") from exc
@@ -225,15 +225,13 @@ class RemoteVLLMEngine(Engine):
         """Await ``aw``; while it is pending, probe /health every ``health_check_interval_s``.
 
         A stream is silent while the server is paused, so silence alone proves nothing; failed probes do."""
-        task = asyncio.ensure_future(aw)
-        try:
+        async with TaskOwner(f"{self.name}-watched") as owner:  # a failed probe cancels and awaits ``aw``
+            task = owner.start(aw)
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self._cfg.health_check_interval_s)
                 if done:
                     return task.result()
                 await self._probe()
-        finally:
-            task.cancel()
 
     async def _probe(self) -> None:
         """A health check shared by every waiter (``ServerApi.probe_if_quiet``); a failure is the death."""
@@ -333,12 +331,9 @@ class RemoteVLLMEngine(Engine):
         """A server's death has no signal but failed health probes: probe it every ``health_check_interval_s``
         (one probe per interval however many callers wait, and none while requests show it alive) until a
         probe, here or in any call, declares it dead or the engine is closed."""
-        probing = asyncio.ensure_future(self._probe_until_dead())
-        try:
+        async with TaskOwner(f"{self.name}-probing") as owner:  # the prober ends with this call
+            owner.start(self._probe_until_dead())
             return await self._death.wait()
-        finally:
-            probing.cancel()
-            await asyncio.gather(probing, return_exceptions=True)
 
     async def _probe_until_dead(self) -> None:
         while True:

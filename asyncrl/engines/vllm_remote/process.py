@@ -24,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
+from asyncrl.aio import TaskOwner
 from asyncrl.engines.rpc_dir import ENV as RPC_ENV
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import WORKER_EXTENSION
@@ -154,23 +155,21 @@ async def _wait_group_gone(process: asyncio.subprocess.Process, pgid: int, timeo
 async def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
     """Poll GET /health until it answers 200, the process exits, or the deadline passes."""
     deadline = time.monotonic() + timeout_s
-    exited = asyncio.ensure_future(server.process.wait())
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-            while True:
-                if await _health_ok(session, server.base_url):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"vLLM server on port {server.port} not healthy after {timeout_s:.0f}s;"
-                                       f" log tail:\n{server.log_tail()}")
-                done, _ = await asyncio.wait({exited}, timeout=min(0.5, left))
-                if done:
-                    raise RuntimeError(f"vLLM server on port {server.port} exited with code "
-                                       f"{server.process.returncode} during start-up; log tail:\n"
-                                       f"{server.log_tail()}")
-    finally:
-        exited.cancel()
+    async with (TaskOwner("server-exit") as owner,  # the wait for the exit ends with this call
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session):
+        exited = owner.start(server.process.wait())
+        while True:
+            if await _health_ok(session, server.base_url):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"vLLM server on port {server.port} not healthy after {timeout_s:.0f}s;"
+                                   f" log tail:\n{server.log_tail()}")
+            done, _ = await asyncio.wait({exited}, timeout=min(0.5, left))
+            if done:
+                raise RuntimeError(f"vLLM server on port {server.port} exited with code "
+                                   f"{server.process.returncode} during start-up; log tail:\n"
+                                   f"{server.log_tail()}")
 
 
 async def _health_ok(session: aiohttp.ClientSession, base_url: str) -> bool:

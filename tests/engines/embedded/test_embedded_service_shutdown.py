@@ -126,7 +126,7 @@ class ZeroLoss(Loss):
 
     min_group_size = 1
 
-    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup]) -> LossOutput:
+    def compute(self, model: torch.nn.Module, groups: Sequence[RolloutGroup], **kw: object) -> LossOutput:
         zero = sum(p.sum() for p in model.parameters()) * 0.0
         return LossOutput(loss=zero, metrics={}, num_tokens=sum(g.num_tokens for g in groups))
 

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -23,7 +24,7 @@ from asyncrl.engines.protocols import Engine, EngineError, WeightUpdate, WeightU
 from asyncrl.engines.vllm_remote import RemoteVLLMEngine
 from asyncrl.engines.vllm_remote.process import ServerProcess
 from asyncrl.engines.weights import state_dict_for_engine
-from asyncrl.types import FinishReason
+from asyncrl.types import FinishReason, PauseMode
 from tests.support.remote_engine import (
     PROMPT, SEQS, TOL, _cfg, _hf_logprobs, _max_diff, _perturbed, served,
 )
@@ -124,6 +125,44 @@ async def test_pool_spreads_requests_and_updates_every_member(
             assert _max_diff(await m.prompt_logprobs(SEQS[1]), want) < TOL
     finally:
         await pool.close()
+
+
+@aio
+async def test_a_pool_cancelled_mid_operation_leaves_no_task_behind(server_a: ServerProcess, server_b: ServerProcess,
+                                                                   model_dir: Path) -> None:
+    """Every task a pool and its members start has an owner that cancels and awaits it: a wait for a death
+    (per-member waits and health probers) and requests frozen mid-stream, cancelled, leave nothing pending
+    by the time each call returns."""
+    members = [await RemoteVLLMEngine.connect(_cfg(s, model_dir), name=n) for s, n in
+               ((server_a, "a"), (server_b, "b"))]
+    pool = EnginePool(members, name="p")
+    before = asyncio.all_tasks()
+    owned = {"p-wait-dead", "a-probing", "b-probing", "a-watched", "b-watched"}  # the owners' task names
+    left: list[set[asyncio.Task]] = []
+
+    async def tracked(aw: Any) -> None:
+        try:
+            await aw
+        finally:  # as the call returns: what it started must be done, not merely cancelled
+            left.append({t for t in asyncio.all_tasks() - before if t.get_name() in owned})
+
+    await pool.pause(PauseMode.KEEP, clear_cache=False)  # the requests' streams stay open, frozen
+    try:
+        calls = [asyncio.create_task(tracked(pool.wait_dead()))]
+        calls += [asyncio.create_task(tracked(pool.generate(PROMPT, SamplingConfig(n=1, max_tokens=8), f"c{i}")))
+                  for i in range(2)]  # round robin: one per member
+        async with asyncio.timeout(30):  # a server's progress has no event to await: look every 10 ms
+            while not owned <= {t.get_name() for t in asyncio.all_tasks()}:
+                await asyncio.sleep(0.01)
+        for call in calls:
+            call.cancel()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        assert left == [set(), set(), set()]
+    finally:
+        await pool.resume()
+        await pool.close()
+    assert not {t for t in asyncio.all_tasks() - before if t.get_name() in owned}
 
 
 @aio

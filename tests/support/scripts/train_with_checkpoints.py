@@ -66,7 +66,7 @@ class RegressionLoss(Loss):
     def __init__(self) -> None:
         self.trained: list[int] = []
 
-    def compute(self, model, groups):
+    def compute(self, model, groups, **kw):
         rows = [(g.prompt, r) for g in groups for r in g.rollouts]
         x = torch.tensor([[float(t) for t in p.token_ids[:4]] for p, _ in rows]) / 10
         y = torch.tensor([r.reward for _, r in rows])
