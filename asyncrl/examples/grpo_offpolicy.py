@@ -21,6 +21,8 @@ trains on your own reward instead.
 Writes into ``--out``: ``metrics.jsonl`` (one row per learner step), ``grpo_offpolicy.png``,
 ``summary.json``, ``base/`` (the warm-started model) and ``model/`` (the trained model and tokenizer,
 loadable by transformers and vLLM). Ctrl-C stops cleanly: the run is cancelled and the engine shut down.
+The run around the trainer (these flags, the model, the engine, the training loop, the report) is ``demo.py``'s,
+shared with ``online_dpo.py``; this program builds the GRPO pipeline.
 
 Sinks: ``metrics.jsonl`` always; TensorBoard with ``--tensorboard on`` (``auto``: if installed) and Weights & Biases
 with ``--wandb PROJECT`` (``--wandb-run-name``). One asked for and not installed is refused at once, naming the
