@@ -1,7 +1,11 @@
-"""Pieces shared by the examples (``grpo_offpolicy.py``, ``tool_use.py``, ``distributed_grpo.py``) and the
-benchmarks built on them: command-line set-up, the tasks (the built-in addition task, or a user prompts file
-read by ``asyncrl.data``), rewards, and the engine warm-up.
-``sft.py`` builds and warm-starts the tiny model; ``tracking.py`` evaluates, reports and plots.
+"""The examples' shared support: what every example's program does around its training (environment, logging,
+the exit codes of ``run_cli``, SIGTERM as a cancellation, the JSON event stream), the tasks (the built-in addition
+task, or a user prompts file read by ``asyncrl.data``) and their rewards, prompt streams, and the engine warm-up.
+
+The other support modules build on this one, each with one role: ``sft.py`` builds and warm-starts the tiny model;
+``tracking.py`` evaluates, checkpoints, reports and plots a run; ``demo.py`` is the run that ``grpo_offpolicy.py``
+and ``online_dpo.py`` share; ``calculator.py`` is the tool-use task. Example programs import support modules only,
+never one another, and no support module imports an example (pyproject.toml's import-linter contracts).
 
 Everything here is example code: it may use vLLM and transformers directly. The library stays behind its
 Engine Protocol.
@@ -11,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+import random
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from asyncrl.data import (
     Example, PromptSource, answer_reward, encode_prompts, load_examples, load_reward, prompt_text, split_held_out,
@@ -63,6 +71,20 @@ def cancel_on_sigterm() -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
 
 
+def run_cli(cli: Callable[[list[str] | None], int]) -> int:
+    """Run an example's ``cli`` as its ``__main__`` block does: Ctrl-C exits 130 and SIGTERM (which the examples
+    turn into a cancellation, ``common.cancel_on_sigterm``) 143, each with a line saying the run was cancelled,
+    instead of a traceback."""
+    try:
+        return cli(None)
+    except KeyboardInterrupt:
+        print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
+        return 130
+    except asyncio.CancelledError:
+        print("\nterminated: run cancelled, engine shut down", file=sys.stderr)
+        return 143
+
+
 def announce_engine_start() -> None:
     """Say on screen why the first engine start on a machine is slow, so nobody takes it for a hang: torch
     compiles the engine's kernels once and caches them (``TORCHINDUCTOR_CACHE_DIR``, by default
@@ -76,6 +98,34 @@ def announce_engine_start() -> None:
     print("starting the vLLM engine" + (f" (first start on this machine: kernels are compiled once and cached "
                                         f"under {cache}, so this start takes longer)" if first else ""),
           flush=True)
+
+
+class JsonEvents:
+    """One JSON line per event, on a stream of their own. ``take_stdout`` makes that stream the process's
+    original stdout and sends everything else written there to stderr, so a program piping stdout reads only
+    events."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out
+
+    def emit(self, event: str, **fields: Any) -> None:
+        print(json.dumps({"event": event, **fields}), file=self.out or sys.stdout, flush=True)
+
+    def take_stdout(self) -> None:
+        """Keep a private duplicate of file descriptor 1 for the events, then point descriptor 1 (and
+        ``sys.stdout``) at stderr. At the descriptor level, so that it also holds for writers that bound the old
+        ``sys.stdout`` already (vLLM's log handler writes to stdout by default) and for child processes, which
+        inherit descriptor 1 (vLLM's engine-core processes)."""
+        sys.stdout.flush()
+        self.out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+
+def jsonable(args: dict[str, Any]) -> dict[str, Any]:
+    """Parsed arguments (``vars(args)``) as JSON can hold them: paths as strings. For ``summary.json`` and the
+    monitor's run config."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in args.items()}
 
 
 # --------------------------------------------------------------------------------------------------- tasks
@@ -165,6 +215,20 @@ def rl_prompts(task: Task, tokenizer: Any, seed: int) -> PromptSource:
     seeded order."""
     return PromptSource(encode_prompts(task.train, tokenizer, id_prefix="train-"), epochs=task.epochs,
                         shuffle_seed=seed)
+
+
+def endless(items: Sequence[Any], seed: int) -> Iterator[tuple[int, Any]]:
+    """``(index, item)`` pairs without end: every pass over ``items`` in a new order drawn from ``seed``."""
+    rng = random.Random(seed)
+    for _ in itertools.count():
+        order = list(range(len(items)))
+        rng.shuffle(order)
+        yield from ((i, items[i]) for i in order)
+
+
+def pad_id(tok: Any) -> int:
+    """The id the learner pads rows with: the tokenizer's pad token, else its end-of-sequence token."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
 def prompt_reward(task: Task) -> Callable[[Any, Any], Any]:

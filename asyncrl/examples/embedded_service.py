@@ -44,7 +44,7 @@ from asyncrl.actors.producer import Producer
 from asyncrl.aio import first_cause
 from asyncrl.engines.embedded import EngineControl
 from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
-from asyncrl.examples.entry import JsonEvents
+from asyncrl.examples.common import JsonEvents
 from asyncrl.queues.ingest_client import RemoteQueueClient
 from asyncrl.testing.tasks import arithmetic
 

@@ -5,11 +5,11 @@
     python -m asyncrl.examples.online_dpo --trainer nash_md       # Nash-MD: the mixture sampled in torch, here
     python -m asyncrl.examples.online_dpo --loss-type ipo --beta 0.5 --synchronous
 
-Everything but the trainer is the GRPO demo's (``asyncrl.examples.grpo_offpolicy``, whose options all apply):
-the same locally built model and warm start, the same in-process vLLM engine, queue, staleness bound and
-held-out evaluation. The judge is derived from the task's exact answer (``judge_from_reward``): of two
-completions the right one wins, and two right or two wrong ones tie. Groups whose comparisons all tie are
-dropped and counted (``preference_tie``), as are groups whose judge raises or times out.
+Everything but the trainer is the GRPO demo's (``asyncrl.examples.grpo_offpolicy``; the two share ``demo.py``,
+and its options all apply): the same locally built model and warm start, the same in-process vLLM engine, queue,
+staleness bound and held-out evaluation. The judge is derived from the task's exact answer
+(``judge_from_reward``): of two completions the right one wins, and two right or two wrong ones tie. Groups whose
+comparisons all tie are dropped and counted (``preference_tie``), as are groups whose judge raises or times out.
 
 - ``dpo``: each group's best completion against its worst (``--n`` completions, judged round robin).
 - ``xpo``: each completion against one the frozen reference samples, served by a second vLLM engine started
@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data import encode_prompt
-from asyncrl.examples import common, grpo_offpolicy, tracking
+from asyncrl.examples import common, demo, tracking
 
 DPO_LR = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = grpo_offpolicy.build_parser(__doc__.split("\n\n")[0])
+    p = demo.build_parser(__doc__.split("\n\n")[0])
     p.set_defaults(out=Path("runs/online_dpo"))
     pref = p.add_argument_group("preference")
     pref.add_argument("--trainer", choices=("dpo", "xpo", "nash_md"), default="dpo")
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resume:
         p.error("--resume: not offered for the preference trainers yet (checkpoints are written)")
-    args.lr = args.lr or (grpo_offpolicy.LORA_LR if args.lora else DPO_LR)
+    args.lr = args.lr or (demo.LORA_LR if args.lora else DPO_LR)
     tracking.check_args(p, args)
     return args
 
@@ -70,7 +70,7 @@ def reference_model(args: argparse.Namespace, model_dir: Path) -> Any:
         from asyncrl.lora import LoraReference
 
         return LoraReference()
-    return grpo_offpolicy.load_policy(model_dir, frozen=True)
+    return demo.load_policy(model_dir, frozen=True)
 
 
 async def start_opponent(args: argparse.Namespace, task: common.Task, tok: Any, model_dir: Path, engine: Any,
@@ -84,12 +84,12 @@ async def start_opponent(args: argparse.Namespace, task: common.Task, tok: Any, 
 
         from asyncrl.engines.vllm_local import VLLMEngine
 
-        cfg = dataclasses.replace(grpo_offpolicy.engine_config(args, task, tok, model_dir), lora=None)
+        cfg = dataclasses.replace(demo.engine_config(args, task, tok, model_dir), lora=None)
         return await VLLMEngine.start(cfg, name="reference")
     if args.trainer == "nash_md":
         from asyncrl.preference import MixtureSampler
 
-        base = ref if not args.lora else grpo_offpolicy.load_policy(model_dir, frozen=True)
+        base = ref if not args.lora else demo.load_policy(model_dir, frozen=True)
         longest = max(len(encode_prompt(ex.prompt, tok)) for ex in task.train + task.held_out)
         return MixtureSampler(policy, base, tok, mixture_coef=args.mixture_coef, seed=args.seed,
                               max_model_len=longest + args.max_tokens + 1)
@@ -106,17 +106,17 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     common.cancel_on_sigterm()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     start = tracking.start_metrics(args.out, None)
-    monitor = tracking.open_monitor(args, grpo_offpolicy._jsonable(vars(args)))
+    monitor = tracking.open_monitor(args, common.jsonable(vars(args)))
     common.announce_engine_start()
     t_engine = time.perf_counter()
-    engine = await VLLMEngine.start(grpo_offpolicy.engine_config(args, task, tok, model_dir))
+    engine = await VLLMEngine.start(demo.engine_config(args, task, tok, model_dir))
     opponent = None
     try:
         async with tracking.open_checkpointer(args) as checkpointer:
-            config = grpo_offpolicy.pipeline_config(args)
+            config = demo.pipeline_config(args)
             await common.warm_up(engine, encode_prompt(task.train[0].prompt, tok), config.producer.sampling,
                                  args.batch_groups)
-            policy = grpo_offpolicy.load_policy(model_dir, lora=grpo_offpolicy.lora_config(args))
+            policy = demo.load_policy(model_dir, lora=demo.lora_config(args))
             ref = reference_model(args, model_dir)
             opponent = await start_opponent(args, task, tok, model_dir, engine, policy, ref)
             engine_s = time.perf_counter() - t_engine
@@ -127,15 +127,15 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
                                           is_correction=args.pair_is, pairs=args.pairs)
             pipeline = preference_pipeline(engine, policy, source, judge_of(task), config, trainer=args.trainer,
                                            preference=preference, ref_model=ref, opponent=opponent,
-                                           pad_id=grpo_offpolicy._pad_id(tok), monitor=monitor, close_engine=False)
+                                           pad_id=common.pad_id(tok), monitor=monitor, close_engine=False)
             if checkpointer is not None:
                 pipeline.learner.hooks.append(checkpoint_hook(checkpointer, pipeline.learner, source))
-            result = await grpo_offpolicy._train(args, engine, tok, task, pipeline, start)
+            result = await demo.train(args, engine, tok, task, pipeline, start)
     finally:
         monitor.close()
         await _close(opponent)
         await engine.close()
-    grpo_offpolicy._save(pipeline.learner.model, tok, args.out / "model")
+    demo.save_policy(pipeline.learner.model, tok, args.out / "model")
     return {**result, "engine_start_s": engine_s, "start_step": start}
 
 
@@ -159,16 +159,14 @@ def cli(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    task = grpo_offpolicy.load_task(args)
+    task = common.task_from_args(args)
     print(f"task {task.name}: {len(task.train)} training / {len(task.held_out)} held-out problems", flush=True)
-    model_dir, warm = grpo_offpolicy.prepare_model(args, task)
+    model_dir, warm = demo.prepare_model(args, task)
     result = asyncrl.run(main(args, task, model_dir))
-    grpo_offpolicy.report(args, result, warm, time.perf_counter() - t0, name=NAMES[args.trainer],
+    demo.report(args, result, warm, time.perf_counter() - t0, name=NAMES[args.trainer],
                           plot_name="online_dpo.png")
     return 0
 
 
 if __name__ == "__main__":
-    from asyncrl.examples.entry import run_cli
-
-    sys.exit(run_cli(cli))
+    sys.exit(common.run_cli(cli))

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.examples import common, sft, tool_use, tracking
+from asyncrl.examples import common, sft, tracking
 from asyncrl.examples.calculator import CHAT_TEMPLATE, TOOL_TOKENS, CalcToolParser, multiplication_task
 
 # -- the agent: only the openai client from here to the next section -------------------------------------------
@@ -221,7 +221,7 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
     config = pipeline_config(args)
     runner = AgentRunner(endpoint, agent, reward_fn=lambda p, result: task.reward(result, p.answer))
     prompts = PromptSource(Prompt(f"train-{i}", (), ex.prompt, ex.answer)
-                           for i, ex in tool_use._endless(task.train, args.seed))
+                           for i, ex in common.endless(task.train, args.seed))
     policy = AutoModelForCausalLM.from_pretrained(str(endpoint.renderer.tokenizer.name_or_path), dtype=torch.float32)
     pipeline = grpo_pipeline(engine, policy, prompts, runner, config, pad_id=tok.pad_token_id, monitor=monitor,
                              close_engine=False)
@@ -240,11 +240,12 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
 
 
 def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, dict[str, Any]]:
-    """tool_use.py's model and warm start (the chat template lays conversations out as its episodes)."""
+    """tool_use.py's model and warm start (``sft.tool_warm_start``; the chat template lays conversations out as
+    its episodes)."""
     base = args.out / "base"
     shutil.rmtree(base, ignore_errors=True)
     sft.build_char_model(base, task, args.hidden, args.layers, args.seed, added_tokens=TOOL_TOKENS)
-    info = tool_use.warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
+    info = sft.tool_warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
                                progress=not args.no_progress)
     print(f"warm start: {info['steps']} SFT steps in {info['seconds']:.0f}s (loss {info['final_loss']:.3f})",
           flush=True)
@@ -255,9 +256,10 @@ def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any
     rows = tracking.read_jsonl(args.out / "metrics.jsonl")
     summary = {**result, "warm_start": warm, "total_s": total_s, "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    png = tool_use.plot([{**r, "episode/tool_call_rate": r.get("agent/calls_per_episode", 1.0) - 1.0} for r in rows],
-                        args.out / "openai_agent.png", result["before"], result["after"], result["steps"])
-    tool_use.print_result(args.out, result, png, total_s)
+    rows = [{**r, "episode/tool_call_rate": r.get("agent/calls_per_episode", 1.0) - 1.0} for r in rows]
+    png = tracking.plot_tool_run(rows, args.out / "openai_agent.png", result["before"], result["after"],
+                                 result["steps"])
+    tracking.print_tool_result(args.out, result, png, total_s)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -275,6 +277,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from asyncrl.examples.entry import run_cli
-
-    sys.exit(run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do
+    sys.exit(common.run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do

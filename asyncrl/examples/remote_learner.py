@@ -35,7 +35,7 @@ from asyncrl.actors.learner import Learner
 from asyncrl.actors.weight_sync import WeightSync
 from asyncrl.algorithms.losses import GRPOLoss, LossConfig
 from asyncrl.engines.embedded import RemoteControlEngine
-from asyncrl.examples.entry import JsonEvents
+from asyncrl.examples.common import JsonEvents
 from asyncrl.queues.ingest_server import IngestServerConfig, RolloutIngestServer
 
 

@@ -1,6 +1,7 @@
-"""The examples' tiny character-level Qwen2 model and its supervised warm start (teacher forcing on prompt ->
-answer + EOS), stopped once held-out greedy accuracy (transformers, batched by prompt length) reaches a target,
-so RL starts from a policy that is right sometimes."""
+"""The examples' tiny character-level Qwen2 model and its supervised warm starts, so RL starts from a policy that
+is right sometimes: teacher forcing on prompt -> answer + EOS, stopped once held-out greedy accuracy (transformers,
+batched by prompt length) reaches a target (``warm_start``); and, for the tool-use examples, teacher forcing on
+demonstrations in the calculator's call format (``tool_warm_start``). A support module (see ``common.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from asyncrl.testing.tasks import arithmetic
 from asyncrl.data import encode_prompt
+from asyncrl.examples.calculator import CALL, END_CALL, END_RES, RES
 from asyncrl.examples.common import Example, RewardFn, Task
 
 
@@ -165,3 +167,55 @@ def hf_greedy_accuracy(model: Any, tok: Any, problems: Sequence[Example], reward
                 if tok.eos_token_id in row:
                     correct += reward(tok.decode(row[: row.index(tok.eos_token_id)]), ex.answer)
     return correct / max(1, len(problems))
+
+
+# ----------------------------------------------------------------------------------- tool-use warm start
+
+
+def tool_demonstration(tok: Any, ex: Example, use_tool: bool) -> tuple[list[int], list[int]]:
+    """Token ids of one solved ``a*b=`` episode in the calculator's call format, with or without a call, and its
+    labels (-100 on the prompt and on environment tokens)."""
+    a, b = ex.prompt.rstrip("=").split("*")
+    segments = [(f"{CALL}{a}*{b}{END_CALL}", True), (f"{RES}{ex.answer}{END_RES}", False)] if use_tool else []
+    ids = list(encode_prompt(ex.prompt, tok))
+    labels = [-100] * len(ids)
+    for text, trained in [*segments, (ex.answer, True)]:
+        seg = tok(text, add_special_tokens=False).input_ids
+        ids += seg
+        labels += seg if trained else [-100] * len(seg)
+    return ids + [tok.eos_token_id], labels + [tok.eos_token_id]
+
+
+def tool_warm_start(model_dir: Path, task: Task, steps: int, tool_frac: float, lr: float, seed: int,
+                    progress: bool = True, batch: int = 64) -> dict[str, Any]:
+    """Teacher forcing for ``steps`` steps on a mix of tool-using (a share ``tool_frac``) and direct
+    demonstrations (``tool_demonstration``), so RL starts from a policy that calls the tool sometimes; the model
+    is saved in place."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    t0, loss = time.perf_counter(), float("nan")
+    model.train()
+    for _ in tqdm(range(steps), desc="warm start", unit="step", disable=not progress, leave=False):
+        rows = [tool_demonstration(tok, rng.choice(task.train), rng.random() < tool_frac) for _ in range(batch)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((batch, width), tok.pad_token_id)
+        labels = torch.full((batch, width), -100)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, (row, lab) in enumerate(rows):
+            ids[i, : len(row)], labels[i, : len(lab)] = torch.tensor(row), torch.tensor(lab)
+            attention[i, : len(row)] = 1
+        out = model(input_ids=ids, attention_mask=attention, labels=labels)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss = float(out.loss.detach())
+    model.save_pretrained(str(model_dir))
+    return {"steps": steps, "tool_frac": tool_frac, "final_loss": loss, "seconds": time.perf_counter() - t0}

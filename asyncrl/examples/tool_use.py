@@ -25,21 +25,17 @@ add sinks; ``--checkpoint-dir DIR --checkpoint-every K`` checkpoints and ``--res
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
-import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from asyncrl.data import encode_prompt
 from asyncrl.examples import common, sft, tracking
-from asyncrl.examples.calculator import (CALL, END_CALL, END_RES, RES, TOOL_TOKENS, CalculatorProtocol,
-                                 multiplication_task)
+from asyncrl.examples.calculator import END_CALL, TOOL_TOKENS, CalculatorProtocol, multiplication_task
 
 log = logging.getLogger("asyncrl.examples.tool_use")
 
@@ -75,55 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     tracking.check_args(p, args)  # a missing sink package or checkpoint: refused now, not after the warm start
     return args
-
-
-# ------------------------------------------------------------------------------------------ warm start
-
-
-def demonstration(tok: Any, ex: common.Example, use_tool: bool) -> tuple[list[int], list[int]]:
-    """Token ids of one solved episode and its labels (-100 on the prompt and on environment tokens)."""
-    a, b = ex.prompt.rstrip("=").split("*")
-    segments = [(f"{CALL}{a}*{b}{END_CALL}", True), (f"{RES}{ex.answer}{END_RES}", False)] if use_tool else []
-    ids = list(encode_prompt(ex.prompt, tok))
-    labels = [-100] * len(ids)
-    for text, trained in [*segments, (ex.answer, True)]:
-        seg = tok(text, add_special_tokens=False).input_ids
-        ids += seg
-        labels += seg if trained else [-100] * len(seg)
-    return ids + [tok.eos_token_id], labels + [tok.eos_token_id]
-
-
-def warm_start(model_dir: Path, task: common.Task, steps: int, tool_frac: float, lr: float, seed: int,
-               progress: bool = True, batch: int = 64) -> dict[str, Any]:
-    """Teacher forcing on a mix of tool-using and direct demonstrations; the model is saved in place."""
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    t0, loss = time.perf_counter(), float("nan")
-    model.train()
-    for _ in tqdm(range(steps), desc="warm start", unit="step", disable=not progress, leave=False):
-        rows = [demonstration(tok, rng.choice(task.train), rng.random() < tool_frac) for _ in range(batch)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((batch, width), tok.pad_token_id)
-        labels = torch.full((batch, width), -100)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, (row, lab) in enumerate(rows):
-            ids[i, : len(row)], labels[i, : len(lab)] = torch.tensor(row), torch.tensor(lab)
-            attention[i, : len(row)] = 1
-        out = model(input_ids=ids, attention_mask=attention, labels=labels)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        loss = float(out.loss.detach())
-    model.save_pretrained(str(model_dir))
-    return {"steps": steps, "tool_frac": tool_frac, "final_loss": loss, "seconds": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -200,7 +147,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
         return base, {}
     shutil.rmtree(base, ignore_errors=True)
     sft.build_char_model(base, task, args.hidden, args.layers, args.seed, added_tokens=TOOL_TOKENS)
-    info = warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
+    info = sft.tool_warm_start(base, task, args.warm_steps, args.warm_tool_frac, args.warm_lr, args.seed,
                       progress=not args.no_progress)
     print(f"warm start: {info['steps']} SFT steps in {info['seconds']:.0f}s (loss {info['final_loss']:.3f})",
           flush=True)
@@ -217,7 +164,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     checkpoint = tracking.resume_point(args)
     start = tracking.start_metrics(args.out, checkpoint)
-    monitor = tracking.open_monitor(args, _jsonable(vars(args)))
+    monitor = tracking.open_monitor(args, common.jsonable(vars(args)))
     config = pipeline_config(args, tok)
     engine = await VLLMEngine.start(VLLMEngineConfig(
         model=str(model_dir), dtype="float32", max_model_len=16 * (args.max_turns + 2), seed=args.seed,
@@ -238,7 +185,7 @@ async def _build_pipeline(args: argparse.Namespace, engine: Any, tok: Any, task:
     from asyncrl import EpisodeGroups, PromptSource
     from asyncrl.algorithms.losses import LossConfig
 
-    prompts = PromptSource(_prompt(tok, ex, f"train-{i}") for i, ex in _endless(task.train, args.seed))
+    prompts = PromptSource(_prompt(tok, ex, f"train-{i}") for i, ex in common.endless(task.train, args.seed))
     episodes = EpisodeGroups(CalculatorProtocol(tok).env_factory(task.reward))
     return await tracking.build_pipeline(engine, _load_policy(model_dir), prompts, episodes, config,
                                          checkpoint=checkpoint, checkpointer=checkpointer, loss_config=LossConfig(),
@@ -262,14 +209,6 @@ async def _train(args: argparse.Namespace, engine: Any, tok: Any, task: common.T
             "wall_s": stats.wall_s, "samples_trained": stats.samples_trained, "dropped": stats.dropped}
 
 
-def _endless(items: Sequence[Any], seed: int) -> Any:
-    rng = random.Random(seed)
-    for _ in itertools.count():
-        order = list(range(len(items)))
-        rng.shuffle(order)
-        yield from ((i, items[i]) for i in order)
-
-
 def _load_policy(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -277,71 +216,16 @@ def _load_policy(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
-
-
 # ------------------------------------------------------------------------------------------------ report
-
-
-def plot(rows: Sequence[dict[str, Any]], path: Path, before: dict[str, float], after: dict[str, float],
-         steps: int, start: int = 0) -> Path:
-    """Reward and accuracy, tool use, environment time and tool errors, staleness and sync, per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    evals = [(start, before)] + [(r["step"], {"accuracy": r["eval/accuracy"], "tool_rate": r["eval/tool_rate"]})
-                             for r in rows if "eval/accuracy" in r] + [(steps, after)]
-    panels = [
-        (axes[0, 0], {"train/reward_mean": "train reward (mean)"}, "accuracy", "held-out greedy accuracy",
-         "reward / accuracy"),
-        (axes[0, 1], {"episode/tool_call_rate": "tool-call rate (sampled, recent episodes)",
-                      "episode/turns_mean": "turns per episode"}, "tool_rate", "held-out greedy tool-call rate",
-         "tool use"),
-        (axes[1, 0], {"episode/tool_errors_mean": "tool errors per episode",
-                      "episode/truncated_frac": "truncated share"},
-         None, None, "tool errors / truncation"),
-        (axes[1, 1], {"rollout/staleness_batch_mean": "staleness (batch mean)", "sync/total_s": "sync (s)"},
-         None, None, "staleness / weight sync"),
-    ]
-    for ax, series, eval_key, eval_label, title in panels:
-        for key, label in series.items():
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
-            if pts:
-                ax.plot(*zip(*pts), label=label, alpha=0.8)
-        if eval_key:
-            ax.plot([s for s, _ in evals], [e[eval_key] for _, e in evals], "o-", label=eval_label)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes[1]:
-        ax.set_xlabel("learner step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float) -> None:
     rows = tracking.read_jsonl(args.out / "metrics.jsonl")
-    summary = {**result, "warm_start": warm, "total_s": total_s, "args": _jsonable(vars(args))}
+    summary = {**result, "warm_start": warm, "total_s": total_s, "args": common.jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    png = plot(rows, args.out / "tool_use.png", result["before"], result["after"], result["steps"],
-               result["start_step"])
-    print_result(args.out, result, png, total_s)
-
-
-def print_result(out: Path, result: dict[str, Any], png: Path, total_s: float) -> None:
-    """The run's last lines: episodes trained, accuracy and tool-call rate before and after, where it wrote."""
-    b, a = result["before"], result["after"]
-    print(f"GRPO: {result['steps']} steps, {result['samples_trained']} episodes in {result['wall_s']:.0f}s; "
-          f"dropped {result['dropped']}")
-    print(f"held-out greedy accuracy: before {b['accuracy']:.1%} -> after {a['accuracy']:.1%}; "
-          f"tool-call rate {b['tool_rate']:.1%} -> {a['tool_rate']:.1%}")
-    print(f"run dir: {out}  (metrics.jsonl, {png.name}, summary.json); total {total_s:.0f}s")
+    png = tracking.plot_tool_run(rows, args.out / "tool_use.png", result["before"], result["after"],
+                                 result["steps"], result["start_step"])
+    tracking.print_tool_result(args.out, result, png, total_s)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -359,6 +243,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from asyncrl.examples.entry import run_cli
-
-    sys.exit(run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do
+    sys.exit(common.run_cli(cli))  # Ctrl-C exits 130, SIGTERM 143, as the asyncrl-* commands do

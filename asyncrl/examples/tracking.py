@@ -1,7 +1,8 @@
 """Watching and keeping an example run: held-out greedy accuracy (the library's ``asyncrl.Evaluator``, as a learner
 hook and before / after training), the metrics sinks (``--tensorboard``, ``--wandb``), checkpoints and resuming
 (``--checkpoint-dir``, ``--checkpoint-every``, ``--resume``), a learning-rate schedule, a tqdm progress bar, and
-the run plot. ``grpo_offpolicy.py`` and ``tool_use.py`` share these, so one test covers each mechanism."""
+the run plots and closing lines. The examples share these, so one test covers each mechanism. A support module
+(see ``common.py``): it imports ``common`` alone."""
 
 from __future__ import annotations
 
@@ -329,3 +330,56 @@ def _series(ax: Any, rows: Sequence[dict[str, Any]], names: dict[str, str], smoo
             window = [sum(values[max(0, i - smooth + 1): i + 1]) / len(values[max(0, i - smooth + 1): i + 1])
                       for i in range(len(values))]
             ax.plot(steps, window, label=f"{label}, {smooth}-step mean")
+
+
+def plot_tool_run(rows: Sequence[dict[str, Any]], path: Path, before: dict[str, float], after: dict[str, float],
+                  steps: int, start: int = 0) -> Path:
+    """A tool-use run (``tool_use.py``, ``openai_agent.py``): reward and accuracy, tool use, tool errors and
+    truncation, staleness and sync, per step; ``before`` / ``after`` are the held-out ``accuracy`` and
+    ``tool_rate`` at steps ``start`` and ``steps``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    evals = [(start, before)] + [(r["step"], {"accuracy": r["eval/accuracy"], "tool_rate": r["eval/tool_rate"]})
+                             for r in rows if "eval/accuracy" in r] + [(steps, after)]
+    panels = [
+        (axes[0, 0], {"train/reward_mean": "train reward (mean)"}, "accuracy", "held-out greedy accuracy",
+         "reward / accuracy"),
+        (axes[0, 1], {"episode/tool_call_rate": "tool-call rate (sampled, recent episodes)",
+                      "episode/turns_mean": "turns per episode"}, "tool_rate", "held-out greedy tool-call rate",
+         "tool use"),
+        (axes[1, 0], {"episode/tool_errors_mean": "tool errors per episode",
+                      "episode/truncated_frac": "truncated share"},
+         None, None, "tool errors / truncation"),
+        (axes[1, 1], {"rollout/staleness_batch_mean": "staleness (batch mean)", "sync/total_s": "sync (s)"},
+         None, None, "staleness / weight sync"),
+    ]
+    for ax, series, eval_key, eval_label, title in panels:
+        for key, label in series.items():
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if pts:
+                ax.plot(*zip(*pts), label=label, alpha=0.8)
+        if eval_key:
+            ax.plot([s for s, _ in evals], [e[eval_key] for _, e in evals], "o-", label=eval_label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("learner step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_tool_result(out: Path, result: dict[str, Any], png: Path, total_s: float) -> None:
+    """The run's last lines: episodes trained, accuracy and tool-call rate before and after, where it wrote."""
+    b, a = result["before"], result["after"]
+    print(f"GRPO: {result['steps']} steps, {result['samples_trained']} episodes in {result['wall_s']:.0f}s; "
+          f"dropped {result['dropped']}")
+    print(f"held-out greedy accuracy: before {b['accuracy']:.1%} -> after {a['accuracy']:.1%}; "
+          f"tool-call rate {b['tool_rate']:.1%} -> {a['tool_rate']:.1%}")
+    print(f"run dir: {out}  (metrics.jsonl, {png.name}, summary.json); total {total_s:.0f}s")

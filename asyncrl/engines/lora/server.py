@@ -1,4 +1,4 @@
-"""A vLLM server's side of LoRA publication (``transports.adapters``): its run-time adapter endpoints.
+"""A vLLM server's side of LoRA publication (``engines.lora.transport``): its run-time adapter endpoints.
 
 The server runs with ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` in its
 environment (``lora_server_args`` gives both, for ``start_vllm_server``). An adapter is served under its name: a request

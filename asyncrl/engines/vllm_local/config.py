@@ -87,7 +87,7 @@ class VLLMEngineConfig:
         "None: the weights' dtype (vLLM's 'auto')"))] = None
     lora: Annotated[LoraServingConfig | None, Field(description=(
         "serve LoRA adapters on the frozen base model: publications then carry the adapter alone "
-        "(``transports.adapters``). None: publications replace every weight"))] = None
+        "(``engines.lora.transport``). None: publications replace every weight"))] = None
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None, Field(description=(
         "vLLM's log level, in this process (the 'vllm' logger) and in the processes it spawns (their "
         "VLLM_LOGGING_LEVEL); its INFO lines are a hundred or so per start. None: vLLM's own setting. A "
@@ -101,7 +101,7 @@ class VLLMEngineConfig:
         require(self.lora is None or not self.sleep, self, "lora",
                 "LoRA serving and sleep mode do not combine: an adapter publication is cheap enough to need no sleep")
         require(self.lora is None or self.weight_transfer != WeightTransfer.CUDA_IPC, self, "weight_transfer",
-                "with lora set, publications carry adapters (transports.adapters): leave weight_transfer at auto")
+                "with lora set, publications carry adapters (engines.lora.transport): leave weight_transfer at auto")
         return self
 
     def uses_cuda_ipc(self) -> bool:

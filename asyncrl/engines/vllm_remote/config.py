@@ -55,7 +55,7 @@ class RemoteEngineConfig:
         "where updates are written for the server to read (same machine); None = /dev/shm when writable, "
         "else the temp dir"))] = None
     lora: Annotated[LoraServingConfig | None, Field(description=(
-        "the server serves LoRA adapters on the frozen base (``vllm_remote.adapters.lora_server_args``): "
+        "the server serves LoRA adapters on the frozen base (``engines.lora.server.lora_server_args``): "
         "publications carry the adapter alone and requests name it. None: publications replace every weight"))] = None
     nccl: Annotated[NcclTransportConfig | None, Field(description=(
         "publish by NCCL broadcast from this process's GPU (the server runs with --weight-transfer-config "
