@@ -21,7 +21,7 @@ from asyncrl.errors import (
 from asyncrl.pipeline import Pipeline, RunResult
 from asyncrl.queues import RemoteQueueClient, RolloutIngestServer, RolloutReceiver, RolloutSender, create_rollout_queue
 from asyncrl.recipes import grpo_pipeline
-from asyncrl.runtime import run
+from asyncrl.runtime import Terminated, run
 from asyncrl.types import (
     DropReason, FinishReason, PauseMode, Prompt, Rollout, RolloutGroup, Sample, SyncTiming, Trajectory, VersionSpan,
 )
@@ -38,7 +38,8 @@ __all__ = [
     "PromptSource", "PublicationMismatch", "QueueClosed", "QueueConfig", "RemoteQueueClient", "RewardExecution",
     "RewardFn", "Rollout",
     "RolloutDropped", "RolloutGroup", "RolloutIngestServer", "RolloutReceiver", "RolloutSender", "RunResult",
-    "Sample", "SamplingConfig", "StepResult", "SyncConfig", "SyncTiming", "ToolBox", "ToolCall", "ToolEnv",
+    "Sample", "SamplingConfig", "StepResult", "SyncConfig", "SyncTiming", "Terminated", "ToolBox", "ToolCall",
+    "ToolEnv",
     "Trajectory", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError", "create_rollout_queue",
     "grpo_pipeline", "publish", "run", "state_dict_for_engine",
 ]

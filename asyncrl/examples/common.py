@@ -52,17 +52,6 @@ def start_cli(verbose: bool, torch_threads: int) -> None:
     torch.set_num_threads(max(1, torch_threads))
 
 
-def cancel_on_sigterm() -> None:
-    """Make SIGTERM (a supervisor stopping the job) cancel the running task, as Ctrl-C does: the run is cancelled
-    and the engine shut down, instead of the process dying and leaving its engine's files behind."""
-    import asyncio
-    import signal
-
-    task = asyncio.current_task()
-    assert task is not None, "call from inside the example's main coroutine"
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-
-
 def announce_engine_start() -> None:
     """Say on screen why the first engine start on a machine is slow, so nobody takes it for a hang: torch
     compiles the engine's kernels once and caches them (``TORCHINDUCTOR_CACHE_DIR``, by default

@@ -13,26 +13,27 @@ Each module is imported only when its script runs: ``--help`` of one does not lo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from asyncrl.runtime import Terminated
+
 
 def run_cli(cli: Callable[[list[str] | None], int]) -> int:
-    """Run an example's ``cli`` as its ``__main__`` block does: Ctrl-C exits 130 and SIGTERM (which the examples
-    turn into a cancellation, ``common.cancel_on_sigterm``) 143, each with a line saying the run was cancelled,
-    instead of a traceback."""
+    """Run an example's ``cli`` as its ``__main__`` block does: Ctrl-C exits 130 and SIGTERM (which ``asyncrl.run``
+    turns into a cancellation, then ``Terminated``) 143, each with a line saying the run was cancelled, instead
+    of a traceback."""
     try:
         return cli(None)
     except KeyboardInterrupt:
         print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
         return 130
-    except asyncio.CancelledError:
+    except Terminated as exc:
         print("\nterminated: run cancelled, engine shut down", file=sys.stderr)
-        return 143
+        return int(exc.code)
 
 
 def grpo() -> int:

@@ -24,6 +24,7 @@ from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, 
 from asyncrl.engines.death import Death, watch_sentinels
 from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
+from asyncrl.engines.shm_segments import record_segments
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, check_model, engine_args, engine_env, set_vllm_log_level
 from asyncrl.engines.transports.adapters import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport
@@ -34,6 +35,7 @@ from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
     served_dtype,
+    engine_core_pids,
     engine_core_sentinels,
     fail_requests,
     has_flat_logprobs,
@@ -127,6 +129,8 @@ class VLLMEngine(Engine):
             await engine._rpc("asyncrl_record_ties")
             await engine._rpc("asyncrl_die_with", os.getpid())
             await engine._find_store_files()
+            # Its processes' shared memory, so that a later run collects it if we are killed (shm_segments).
+            await asyncio.to_thread(record_segments, rpc_dir, engine_core_pids(llm))
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:
