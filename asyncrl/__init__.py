@@ -22,7 +22,7 @@ from asyncrl.errors import (
 from asyncrl.groups import GroupMaker, GroupRequest, RewardFn, RewardGroups
 from asyncrl.pipeline import Pipeline, RunResult
 from asyncrl.recipes import grpo_pipeline
-from asyncrl.runtime import run
+from asyncrl.runtime import Terminated, run
 from asyncrl.types import (
     DropReason, FinishReason, PauseMode, Prompt, Rollout, RolloutGroup, Sample, SyncTiming, Trajectory, VersionSpan,
 )
@@ -52,7 +52,7 @@ __all__ = [
     "InvalidGroupError", "InvalidGroupPolicy", "LearnerConfig", "LossConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource", "PublicationMismatch",
     "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "RewardGroups", "Rollout", "RolloutDropped",
-    "RolloutGroup", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming", "Trajectory",
+    "RolloutGroup", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming", "Terminated", "Trajectory",
     "VLLMEngine", "VLLMEngineConfig", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError",
     "encode_prompts", "grpo_pipeline", "publish", "run",
 ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -65,12 +64,8 @@ def _rank_main(ctx: RankContext, setup: Callable[[RankContext], FSDPBackend],
 
 
 async def _leading(backend: FSDPBackend, lead: Callable[[FSDPBackend], Coroutine[Any, Any, T]]) -> T:
-    task = asyncio.current_task()
-    assert task is not None
-    try:  # torchrun stops the other ranks with SIGTERM when one fails: unwind, so engines and servers close
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    except (NotImplementedError, RuntimeError, ValueError):
-        log.debug("no SIGTERM handler here (not the main thread)")
+    # torchrun stops the other ranks with SIGTERM when one fails: ``run`` makes it a cancellation, which unwinds
+    # through here, so the followers are stopped and engines and servers close.
     try:
         result = await lead(backend)
     except BaseException as exc:

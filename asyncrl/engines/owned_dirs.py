@@ -3,7 +3,8 @@
 A directory is ``{prefix}{pid}-{random}`` under its root. Whoever makes a new one under the same root with the
 same prefix first removes those whose owner is no longer running: a process that dies without cleaning up
 (``kill -9``) leaves nothing for good. Staged weights (``weights.py``) and vLLM's socket directories
-(``rpc_dir.py``) both work this way.
+(``rpc_dir.py``) both work this way; a socket directory also records vLLM's shared-memory segments, which a
+``release`` hook unlinks before the directory goes (``shm_segments.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,14 +27,19 @@ def owned_name_length(prefix: str, pid: int | None = None) -> int:
     return len(prefix) + len(str(os.getpid() if pid is None else pid)) + 1 + RANDOM_CHARS
 
 
-def make_owned_dir(root: Path, prefix: str) -> Path:
-    """Collect the dead owners' directories under ``root``, then make one for this process."""
-    collect_dead_owners(root, prefix)
+Release = Callable[[Path], bool]  # frees what a directory records before it goes; False: keep it for now
+
+
+def make_owned_dir(root: Path, prefix: str, release: Release | None = None) -> Path:
+    """Collect the dead owners' directories under ``root`` (``release`` first, if given), then make one for this
+    process."""
+    collect_dead_owners(root, prefix, release)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
 
 
-def collect_dead_owners(root: Path, prefix: str) -> list[Path]:
-    """Remove the ``prefix`` directories under ``root`` whose owner is gone. Returns what was removed."""
+def collect_dead_owners(root: Path, prefix: str, release: Release | None = None) -> list[Path]:
+    """Remove the ``prefix`` directories under ``root`` whose owner is gone, each after ``release(dir)`` (if
+    given) has freed what it records; one whose ``release`` returns False stays. Returns what was removed."""
     named = re.compile(rf"^{re.escape(prefix)}(\d+)-")
     removed = []
     try:
@@ -42,6 +49,8 @@ def collect_dead_owners(root: Path, prefix: str) -> list[Path]:
     for entry in entries:
         match = named.match(entry.name)
         if match and not pid_alive(int(match.group(1))) and entry.is_dir():
+            if release is not None and not release(entry):
+                continue
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     if removed:

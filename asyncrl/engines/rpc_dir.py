@@ -9,7 +9,8 @@ vLLM reads the variable when it binds (in the process that binds) and its child 
 server gets it in its environment and an in-process engine has it set in ``os.environ`` while it starts.
 
 A directory is named by the process that made it (``owned_dirs``): one left by a process killed with
-``kill -9`` is collected by the next ``make_rpc_dir`` under the same base.
+``kill -9`` is collected by the next ``make_rpc_dir`` under the same base, with the shared-memory segments of
+vLLM's processes that it records (``shm_segments``).
 
 A UNIX socket path holds at most 107 bytes (ZMQ refuses longer ones) and vLLM adds ``/{uuid4}`` (37) to the
 base. A base from the temp dir (``TMPDIR``) that leaves no room falls back to ``/tmp``; one the caller chose
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from asyncrl.engines.owned_dirs import make_owned_dir, owned_name_length
+from asyncrl.engines.shm_segments import release_segments
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ def make_rpc_dir(base: str | None = None) -> Path:
     if len(os.fsencode(root)) > room:
         raise ValueError(f"{ENV} {root!r} is {len(os.fsencode(root))} bytes long; vLLM's socket paths under it would "
                          f"exceed {SOCKET_PATH_MAX} bytes: choose a base of at most {room} bytes")
-    return make_owned_dir(Path(root), PREFIX)
+    return make_owned_dir(Path(root), PREFIX, release_segments)
 
 
 def room_for_base() -> int:
@@ -72,8 +74,9 @@ def _short_temp_dir() -> str:
 
 
 def remove_rpc_dir(path: Path | None) -> None:
-    """Remove the directory and the sockets in it (call once every process that used it is gone)."""
-    if path is not None:
+    """Remove the directory, the sockets in it and the shared-memory segments it records (call once every process
+    that used it is gone). One whose segments are still mapped by a live process stays, for a later collection."""
+    if path is not None and release_segments(path):
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -60,29 +60,20 @@ def start_cli(verbose: bool, torch_threads: int) -> None:
     torch.set_num_threads(max(1, torch_threads))
 
 
-def cancel_on_sigterm() -> None:
-    """Make SIGTERM (a supervisor stopping the job) cancel the running task, as Ctrl-C does: the run is cancelled
-    and the engine shut down, instead of the process dying and leaving its engine's files behind."""
-    import asyncio
-    import signal
-
-    task = asyncio.current_task()
-    assert task is not None, "call from inside the example's main coroutine"
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-
-
 def run_cli(cli: Callable[[list[str] | None], int]) -> int:
-    """Run an example's ``cli`` as its ``__main__`` block does: Ctrl-C exits 130 and SIGTERM (which the examples
-    turn into a cancellation, ``common.cancel_on_sigterm``) 143, each with a line saying the run was cancelled,
-    instead of a traceback."""
+    """Run an example's ``cli`` as its ``__main__`` block does: Ctrl-C exits 130 and SIGTERM (which ``asyncrl.run``
+    turns into a cancellation, then ``Terminated``) 143, each with a line saying the run was cancelled, instead
+    of a traceback."""
+    from asyncrl.runtime import Terminated
+
     try:
         return cli(None)
     except KeyboardInterrupt:
         print("\ninterrupted: run cancelled, engine shut down", file=sys.stderr)
         return 130
-    except asyncio.CancelledError:
+    except Terminated as exc:
         print("\nterminated: run cancelled, engine shut down", file=sys.stderr)
-        return 143
+        return int(exc.code)
 
 
 def announce_engine_start() -> None:

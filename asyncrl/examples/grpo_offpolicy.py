@@ -97,8 +97,6 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     Always shuts down."""
     from transformers import AutoTokenizer
 
-    common.cancel_on_sigterm()
-
     from asyncrl.engines.vllm_local import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

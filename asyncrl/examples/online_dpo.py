@@ -103,7 +103,6 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     from asyncrl.engines.vllm_local import VLLMEngine
     from asyncrl.preference import PreferenceConfig, preference_pipeline
 
-    common.cancel_on_sigterm()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     start = tracking.start_metrics(args.out, None)
     monitor = tracking.open_monitor(args, common.jsonable(vars(args)))

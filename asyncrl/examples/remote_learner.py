@@ -21,10 +21,8 @@ nothing else there: anything else written to stdout goes to stderr (``JsonEvents
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
@@ -74,7 +72,6 @@ async def train(args: argparse.Namespace, receiver: RolloutReceiver, weight_sync
 
 
 async def serve(args: argparse.Namespace, token: str) -> None:
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     engine = await RemoteControlEngine.connect(args.service_url, token, args.model_dir, ready_timeout_s=args.wait_s)
     try:
         clock = VersionClock(engine.version)
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncrl.run(serve(args, token))
-    except (KeyboardInterrupt, asyncio.CancelledError):
+    except (KeyboardInterrupt, asyncrl.Terminated):  # Ctrl-C or SIGTERM: the run was cancelled and unwound
         pass
     emit("stopped")
 

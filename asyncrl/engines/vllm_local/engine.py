@@ -30,12 +30,14 @@ from asyncrl.engines.vllm_local.config import (
 from asyncrl.engines.lora.transport import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport, check_carries
 from asyncrl.engines.lora.in_process import LocalAdapterPort, lora_request
+from asyncrl.engines.shm_segments import record_segments
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
     served_precision,
+    engine_core_pids,
     engine_core_sentinels,
     fail_requests,
     has_flat_logprobs,
@@ -130,6 +132,8 @@ class VLLMEngine(Engine):
             await engine._rpc("asyncrl_record_ties")
             await engine._rpc("asyncrl_die_with", os.getpid())
             await engine._find_store_files()
+            # Its processes' shared memory, so that a later run collects it if we are killed (shm_segments).
+            await asyncio.to_thread(record_segments, rpc_dir, engine_core_pids(llm))
             if engine._stamps:
                 await engine._call(llm.update_weight_version("0"))
         except BaseException:

@@ -33,6 +33,12 @@ def engine_core_sentinels(llm: Any) -> list[Any]:
     return list(manager.sentinels()) if manager is not None and hasattr(manager, "sentinels") else []
 
 
+def engine_core_pids(llm: Any) -> list[int]:
+    """The pids of vLLM's engine-core processes (their workers are their children), or [] where it keeps them
+    elsewhere."""
+    return [proc.pid for proc in _engine_core_processes(llm) if proc.pid is not None]
+
+
 def output_handler(llm: Any) -> asyncio.Task[None] | None:
     """vLLM's output-handler task, started now if it was not yet (AsyncLLM starts it on the first request when
     it was built outside an event loop, as ``VLLMEngine.start`` does). It ends only when the engine fails."""
