@@ -82,6 +82,8 @@ class RolloutLog:
     def _raise_failure(self) -> None:
         if self._failure is not None:
             error, self._failure = self._failure, None
+            if isinstance(error, RolloutLogError):
+                raise error
             raise RolloutLogError(f"the rollout log could not be written: {error!r}") from error
 
     async def aclose(self) -> None:
