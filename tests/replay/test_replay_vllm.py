@@ -65,6 +65,7 @@ async def test_a_replay_from_the_first_checkpoint_ends_on_the_run_s_weights(vllm
     assert [s.step for s in steps] == list(range(1, STEPS + 1)), "every trained batch, in order, none torn"
     assert all(len(s.groups) == 2 and s.policy_version == start + s.step - 1 for s in steps)
     assert sum(len(s.groups) for s in steps) == result.groups_trained
+    assert max(g.staleness(s.policy_version) for s in steps for g in s.groups) >= 1, "an asynchronous run"
     assert all(r.sample.version_spans and r.sample.logprobs for s in steps for g in s.groups for r in g.rollouts)
 
     first = verify(ckpt_dir / "step-000002")
