@@ -15,10 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from asyncrl.algorithms.corrections import Correction
 from asyncrl.algorithms.losses import IsLevel
 from asyncrl.replay.learner import load_logged_model, logged_loss_config, replay
 from asyncrl.replay.plot import plot_log
+from asyncrl.rollout_log import header
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--is-cap", type=float, help="another importance-weight cap")
     r.add_argument("--is-level", choices=[c.value for c in IsLevel], help="another importance-weight level")
     r.add_argument("--m2-threshold", type=float, help="another M2PO threshold")
+    r.add_argument("--torch-threads", type=int, help="CPU threads (default: the run's, which bit-identical needs)")
     r.add_argument("--out", type=Path, help="each replayed step's metrics as JSON lines (beside the logged ones)")
     r.add_argument("--save", type=Path, help="save the replayed weights here (safetensors)")
     pl = sub.add_parser("plot", help="staleness, lengths, log-probs and rewards over the run, as a PNG")
@@ -49,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     changes = {k: v for k, v in {"correction": args.correction, "is_cap": args.is_cap, "is_level": args.is_level,
                                  "m2_threshold": args.m2_threshold}.items() if v is not None}
     loss_config = dataclasses.replace(logged_loss_config(args.log), **changes) if changes else None
+    threads = args.torch_threads or header(args.log).get("torch_threads")
+    if threads:
+        torch.set_num_threads(threads)
     model = load_logged_model(args.log, args.model)
     with args.out.open("w") if args.out else contextlib.nullcontext(None) as out:
         result = replay(args.log, args.checkpoint, model=model, loss_config=loss_config, until=args.until,

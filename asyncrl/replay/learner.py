@@ -42,6 +42,21 @@ class ReplayResult:
     metrics: list[dict[str, float]] = field(default_factory=list)  # each replayed step's gauges
 
 
+def follow_schedule(optimizer: torch.optim.Optimizer, logged: Mapping[str, float]) -> None:
+    """Train at the learning rate the run's step had (its ``train/lr``): a schedule the run applied through a hook
+    (the examples' warm-up and decay) is followed, not recomputed. The log records the first parameter group's
+    rate, so an optimiser whose groups have different rates is refused."""
+    lr = logged.get("train/lr")
+    if lr is None:
+        return
+    rates = {g["lr"] for g in optimizer.param_groups}
+    if len(rates) > 1:
+        raise ValueError(f"the optimiser's parameter groups have different learning rates {sorted(rates)}; the "
+                         f"log records one (train/lr): replay with an optimiser of one group")
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def logged_learner(directory: str | Path) -> LearnerConfig:
     """The ``LearnerConfig`` the logged run trained with."""
     return TypeAdapter(LearnerConfig).validate_python(header(directory)["learner"])
@@ -105,6 +120,7 @@ def replay(directory: str | Path, checkpoint: Checkpoint | str | Path, *, model:
         if record.step != result.last_step + 1:
             raise ValueError(f"the rollout log in {directory} has no step {result.last_step + 1} (its next is "
                              f"{record.step}): it was rotated away (RolloutLogConfig.max_bytes) or never written")
+        follow_schedule(backend.optimizer, record.metrics)
         metrics = backend.train_step(record.groups, record.step - 1)
         result.metrics.append(metrics)
         result.steps += 1

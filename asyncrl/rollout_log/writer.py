@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from pydantic import TypeAdapter
 
 from asyncrl.algorithms.losses import LossConfig
@@ -115,4 +116,6 @@ def run_header(config: PipelineConfig, loss_config: LossConfig | None, pad_id: i
         "kind": "grpo", "config": TypeAdapter(LossConfig).dump_python(loss_config, mode="json"),
         "sampling": TypeAdapter(SamplingConfig).dump_python(sampling, mode="json"), "pad_id": pad_id}
     return {"learner": TypeAdapter(LearnerConfig).dump_python(config.learner, mode="json"), "loss": loss,
-            "dtype": dtype, "max_staleness": config.queue.max_staleness, "created": time.time()}
+            "dtype": dtype, "max_staleness": config.queue.max_staleness, "created": time.time(),
+            # CPU reductions split over threads: a bit-identical replay runs with as many
+            "torch_threads": torch.get_num_threads()}
