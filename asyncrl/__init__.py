@@ -11,7 +11,7 @@ from asyncrl.actors import Evaluator, WeightSync, publish
 from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import (
     AbortPolicy, Autocast, EpisodeConfig, InvalidGroupPolicy, LearnerConfig, PipelineConfig, ProducerConfig,
-    QueueConfig, RewardExecution, SamplingConfig, SyncConfig,
+    QueueConfig, RewardExecution, RolloutLogConfig, SamplingConfig, SyncConfig,
 )
 from asyncrl.data import Example, PromptSource, encode_prompts
 from asyncrl.episodes import EpisodeGroups
@@ -52,7 +52,8 @@ __all__ = [
     "InvalidGroupError", "InvalidGroupPolicy", "LearnerConfig", "LossConfig", "NoProgressError", "PauseMode",
     "Pipeline", "PipelineConfig", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource", "PublicationMismatch",
     "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "RewardGroups", "Rollout", "RolloutDropped",
-    "RolloutGroup", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming", "Terminated", "Trajectory",
-    "VLLMEngine", "VLLMEngineConfig", "VersionClock", "VersionSpan", "WeightSync", "WeightUpdateError",
+    "RolloutGroup", "RolloutLogConfig", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming",
+    "Terminated", "Trajectory", "VLLMEngine", "VLLMEngineConfig", "VersionClock", "VersionSpan", "WeightSync",
+    "WeightUpdateError",
     "encode_prompts", "grpo_pipeline", "publish", "run",
 ]

@@ -10,14 +10,14 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from asyncrl.config_base import (
-    Flag, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seconds, config, describe, require,
+    Flag, NonNegativeFloat, NonNegativeInt, PathStr, PositiveFloat, PositiveInt, Seconds, config, describe, require,
 )
 from asyncrl.errors import ConfigError
 from asyncrl.types import PauseMode
 
 __all__ = ["AbortPolicy", "Autocast", "ConfigError", "EpisodeConfig", "InvalidGroupPolicy", "LearnerConfig",
-           "PipelineConfig", "ProducerConfig", "QueueConfig", "RewardExecution", "SamplingConfig", "SyncConfig",
-           "describe"]
+           "PipelineConfig", "ProducerConfig", "QueueConfig", "RewardExecution", "RolloutLogConfig", "SamplingConfig",
+           "SyncConfig", "describe"]
 
 
 class AbortPolicy(str, enum.Enum):
@@ -239,6 +239,26 @@ class LearnerConfig:
 
 
 @config
+class RolloutLogConfig:
+    """The rollout log (``asyncrl.rollout_log``): every trained batch on disk, for replay and inspection."""
+
+    dir: Annotated[PathStr, Field(description=(
+        "directory of the log's Arrow IPC stream files; one writing run at a time (a resumed run continues it, its "
+        "steps replacing those an earlier run logged from the same step on)"))]
+    steps_per_file: Annotated[PositiveInt, Field(description=(
+        "steps per file before the next file starts (files also start when one would pass max_bytes / 4)"))] = 100
+    max_bytes: Annotated[int, Field(strict=True, ge=64 * 1024, description=(
+        "bound on the log's size on disk, bytes: the oldest files are deleted to stay under it, so a replay can "
+        "only start where the log still begins; a single step over max_bytes / 4 fails the run"))] = 4 << 30
+    max_pending_steps: Annotated[PositiveInt, Field(description=(
+        "steps handed to the writer thread and not yet written; the learner waits (backpressure) beyond "
+        "that"))] = 4
+    model_dir: Annotated[PathStr | None, Field(description=(
+        "the Hugging Face model directory the run started from, recorded in the log's header so that "
+        "``asyncrl replay`` can rebuild the model without --model (None: the command needs --model)"))] = None
+
+
+@config
 class PipelineConfig:
     """The whole pipeline. Cross-field rules are checked here."""
 
@@ -255,6 +275,9 @@ class PipelineConfig:
     allow_dtype_mismatch: Annotated[bool, Field(description=(
         "train although the engine samples in another precision than the learner computes in (refused by "
         "default: the importance ratios would measure the precision gap, not staleness)"))] = False
+    rollout_log: Annotated[RolloutLogConfig | None, Field(description=(
+        "write every trained batch to a rollout log (``asyncrl.rollout_log``; needs pyarrow, the ``replay`` "
+        "extra) so the learner can be replayed from a checkpoint (``asyncrl.replay``); None: no log"))] = None
 
     @model_validator(mode="after")
     def _rules(self) -> PipelineConfig:

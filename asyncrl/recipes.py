@@ -49,6 +49,7 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     publications go to (default: ``engine``).
     """
     config = config or PipelineConfig()
+    grpo_loss = (loss_config or LossConfig()) if loss is None and backend is None else None  # for a rollout log
     if backend is not None:
         _check_backend_alone(model, loss, loss_config, optimizer, ref_model)
         loss = backend.loss
@@ -72,7 +73,23 @@ def grpo_pipeline(engine: Engine, model: torch.nn.Module | None, prompts: Iterab
     else:
         optimizer = optimizer or default_optimizer(model, config.learner)
         learner = Learner(model, optimizer, loss, receiver, sync, config.learner, monitor=monitor, step=step)
+    if config.rollout_log is not None:
+        open_rollout_log(learner, config, grpo_loss, pad_id)
     return Pipeline(engine, producers, learner, config, close_engine=close_engine)
+
+
+def open_rollout_log(learner: Learner, config: PipelineConfig, loss_config: LossConfig | None, pad_id: int) -> None:
+    """Give ``learner`` a rollout log (``config.rollout_log``) whose header says how to rebuild its step:
+    ``loss_config`` is that of the GRPO loss the recipe built (None: the caller's own loss, which a replay must be
+    given). The queue's drops name their groups in it."""
+    from asyncrl.rollout_log import RolloutLog, run_header  # pyarrow (the replay extra): needed with a log only
+
+    assert config.rollout_log is not None
+    dtype = next((str(p.dtype).removeprefix("torch.") for p in learner.model.parameters()), None)
+    rollout_log = RolloutLog.open(config.rollout_log, run_header(config, loss_config, pad_id, dtype))
+    learner.recorder = rollout_log
+    learner.receiver.observe_drops(rollout_log.dropped)
+    learner.hooks.append(lambda step, metrics: metrics.update(rollout_log.metrics()))
 
 
 def admission_gate(config: PipelineConfig, clock: VersionClock, step: int = 0) -> AdmissionGate | None:

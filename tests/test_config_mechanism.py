@@ -55,6 +55,7 @@ BAD: dict[str, tuple[dict[str, object], str]] = {
                            "health_failures"),
     "NcclTransportConfig": ({"master_port": 1, "device": "cpu"}, "device"),
     "CheckpointConfig": ({"dir": "d", "keep": 0}, "keep"),
+    "RolloutLogConfig": ({"dir": "d", "max_bytes": 1024}, "max_bytes"),
     "IngestServerConfig": ({"token": "t", "port": 70000}, "port"),
     "Layout": ({"strategy": "ANYWHERE"}, "strategy"),
     "PoolConfig": ({"drop_dead": 1}, "drop_dead"),
@@ -65,6 +66,7 @@ REQUIRED: dict[str, dict[str, object]] = {  # the fields without defaults, for b
     "RemoteEngineConfig": {"base_url": "http://h:1", "model": "m", "model_dir": "d"},
     "NcclTransportConfig": {"master_port": 1},
     "CheckpointConfig": {"dir": "d"},
+    "RolloutLogConfig": {"dir": "d"},
     "IngestServerConfig": {"token": "t"},
     "EndpointConfig": {"token": "t"},
 }

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -41,6 +41,19 @@ log = logging.getLogger(__name__)
 
 StepHook = Callable[[int, dict[str, float]], "Awaitable[None] | None"]
 T = TypeVar("T")
+
+
+class StepRecorder(Protocol):
+    """Told of every batch the learner trained, in order (the rollout log, ``asyncrl.rollout_log.RolloutLog``)."""
+
+    async def record(self, step: int, policy_version: int, served_version: int, batch: Sequence[RolloutGroup],
+                     metrics: Mapping[str, float], totals: GroupTotals) -> None:
+        """After the optimiser step ``step`` trained ``batch`` at ``policy_version``, before its publication."""
+        ...
+
+    async def aclose(self) -> None:
+        """The run is over (``Learner.close``): finish and release what it holds."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +107,7 @@ class Learner:
         self.books = Books(receiver.counters, self.counters)
         self.train_s = 0.0  # total time in optimiser steps (seconds)
         self.hooks: list[StepHook] = []  # called after every step with (step, metrics); may add metrics
+        self.recorder: StepRecorder | None = None  # told of every trained batch (PipelineConfig.rollout_log)
         self._publishing: asyncio.Task[SyncTiming] | None = None  # background publication (sync.overlap)
         # Unbounded here: the pipeline bounds ``close`` with its ``shutdown_timeout_s``.
         self._tasks = TaskOwner("learner", timeout_s=math.inf)
@@ -165,7 +179,8 @@ class Learner:
     async def train_and_publish(self, batch: Sequence[RolloutGroup], *, trim: bool = False) -> StepReport:
         """One optimiser step on ``batch``, then a publication if this step is a sync step. ``trim``: hand the
         device memory the step left cached back first (the target sleeps, and the publication wakes it)."""
-        staleness = [g.staleness(self.policy_version) for g in batch]
+        policy_version = self.policy_version  # what the batch is trained at (a replay needs it)
+        staleness = [g.staleness(policy_version) for g in batch]
         if self.probe is not None:
             self.probe.remember(batch)
         t0 = time.perf_counter()
@@ -185,6 +200,8 @@ class Learner:
         self.counters.tokens_trained += sum(g.num_tokens for g in batch)
         metrics["tokens/trained"] = self.counters.tokens_trained
         metrics["length/trained_mean_all"] = self.counters.tokens_trained / self.counters.samples_trained
+        if self.recorder is not None:
+            await self.recorder.record(self.step, policy_version, self.version, batch, metrics, self.totals())
         if trim:
             await self._in_thread(self.backend.trim)
         timing = None
@@ -244,12 +261,16 @@ class Learner:
     async def close(self) -> None:
         """End the training thread once its work is over: waited for off the event loop, since a step that a
         cancellation cut short still runs to its end there, after the background publication is cancelled and
-        awaited. Training again makes a new thread."""
+        awaited; then the recorder is closed. Training again makes a new thread."""
         self._publishing = None
         await self._tasks.aclose()
         thread, self._thread = self._thread, None
-        if thread is not None:
-            await asyncio.to_thread(thread.shutdown)
+        try:
+            if thread is not None:
+                await asyncio.to_thread(thread.shutdown)
+        finally:
+            if self.recorder is not None:
+                await self.recorder.aclose()
 
     async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
         if self._thread is None:

@@ -58,6 +58,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                       help="torch threads for warm start and learner (more threads thrash on a busy 2-core machine)")
     misc.add_argument("--kv-cache-gib", type=float, default=1.0)
     misc.add_argument("--no-progress", action="store_true")
+    misc.add_argument("--rollout-log", type=Path, metavar="DIR",
+                      help="log every trained batch here (pyarrow), for `asyncrl replay DIR --checkpoint ...`")
     misc.add_argument("-v", "--verbose", action="store_true")
     tracking.add_checkpoint_args(p.add_argument_group("checkpoints"))
     return p
@@ -136,8 +138,9 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
     return base, {"steps": result.steps, "accuracy": result.accuracy, "seconds": result.seconds}
 
 
-def pipeline_config(args: argparse.Namespace) -> Any:
-    """The ``PipelineConfig`` the flags ask for; the queue sized by ``common.queue_capacity`` unless given."""
+def pipeline_config(args: argparse.Namespace, model_dir: Path | None = None) -> Any:
+    """The ``PipelineConfig`` the flags ask for; the queue sized by ``common.queue_capacity`` unless given; the
+    rollout log (``--rollout-log``) records ``model_dir`` for ``asyncrl replay``."""
     import asyncrl
 
     capacity = args.queue_capacity or common.queue_capacity(args.batch_groups, args.max_staleness)
@@ -154,6 +157,8 @@ def pipeline_config(args: argparse.Namespace) -> Any:
                                     probe_tolerance=args.probe_tolerance or (1e-3 if args.lora else None)),
         ),
         num_producers=args.num_producers,
+        rollout_log=None if args.rollout_log is None else asyncrl.RolloutLogConfig(
+            args.rollout_log, model_dir=model_dir),
     )
 
 

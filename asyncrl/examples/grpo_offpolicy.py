@@ -108,7 +108,7 @@ async def main(args: argparse.Namespace, task: common.Task, model_dir: Path) -> 
     engine = await VLLMEngine.start(demo.engine_config(args, task, tok, model_dir))
     try:
         async with tracking.open_checkpointer(args) as checkpointer:
-            config = demo.pipeline_config(args)
+            config = demo.pipeline_config(args, model_dir)
             await common.warm_up(engine, encode_prompt(task.train[0].prompt, tok), config.producer.sampling,
                                  args.batch_groups)
             engine_s = time.perf_counter() - t_engine

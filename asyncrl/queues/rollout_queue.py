@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -105,6 +106,9 @@ class _Waiters:
                     future.set_result(None)
 
 
+DropObserver = Callable[[DropReason, Sequence[RolloutGroup]], None]  # told of the groups the queue drops, on the loop
+
+
 class _Queued(NamedTuple):
     """A group in the queue, in its envelope."""
 
@@ -135,6 +139,7 @@ class _State:
         self.receive_wait_s = 0.0
         self.age_s_sum = 0.0
         self.staleness: Counter[int] = Counter()
+        self.drop_observers: list[DropObserver] = []
         self.unsubscribe = clock.observe(self.on_version)
         self.unsubscribe_gate = gate.observe(self.release_due) if gate is not None else lambda: None
 
@@ -171,6 +176,8 @@ class _State:
         """Count queued groups as dropped; their admission places go to the next groups."""
         self.counters.dropped.add(reason, len(entries))
         self.tokens.dropped(reason, [e.group for e in entries])
+        for observe in self.drop_observers:
+            observe(reason, [e.group for e in entries])
         for e in entries:
             if self.gate is not None:
                 self.gate.withdraw(e.ticket)
@@ -309,6 +316,12 @@ class RolloutReceiver:
 
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._state.seen_ids
+
+    def observe_drops(self, observer: DropObserver) -> Callable[[], None]:
+        """Call ``observer(reason, groups)`` whenever the queue drops groups (stale, unused at close); returns the
+        function that stops it (the rollout log names dropped groups this way)."""
+        self._state.drop_observers.append(observer)
+        return lambda: self._state.drop_observers.remove(observer) if observer in self._state.drop_observers else None
 
     async def receive_batch(self, size: int) -> list[RolloutGroup]:
         """Take ``size`` fresh groups (in ticket order, else FIFO), dropping stale ones on the way; waits until they

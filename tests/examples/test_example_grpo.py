@@ -121,7 +121,8 @@ def test_saved_model_loads_in_vllm_and_trains_an_adapter_on_it(runs) -> None:
 def test_checkpoints_every_k_steps_and_a_resumed_run_continues_the_step_count(tmp_path: Path) -> None:
     # One code path for both examples (tracking.build_pipeline); in-process engine cores start in seconds.
     fast, ckpt = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, tmp_path / "ckpt"
-    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--held-out", "4", "--eval-every", "0"]
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--held-out", "4", "--eval-every", "0",
+             "--rollout-log", str(tmp_path / "log")]
     run_example(tmp_path, "--steps", "4", *flags, env=fast)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004"]
     resumed = run_example(tmp_path, "--steps", "6", "--resume", "latest", *flags, env=fast)
@@ -133,6 +134,25 @@ def test_checkpoints_every_k_steps_and_a_resumed_run_continues_the_step_count(tm
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004", "step-000006"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["start_step"] == 4 and summary["stats"]["steps"] == 6 and summary["stats"]["unaccounted"] == 0
+    # The rollout log of both runs replays, with the lr schedule, to each later checkpoint's weights exactly.
+    for start, until in ((2, 4), (4, 6)):
+        assert replayed_max_diff(tmp_path, ckpt / f"step-{start:06d}", until, ckpt / f"step-{until:06d}") == 0.0
+
+
+def replayed_max_diff(run: Path, checkpoint: Path, until: int, expected: Path) -> float:
+    """``asyncrl replay`` (as ``python -m asyncrl.replay``) from ``checkpoint`` to step ``until``, against the
+    weights of the checkpoint ``expected``."""
+    from safetensors.torch import load_file
+
+    saved = run / f"replayed-{until}.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.replay", "replay", str(run / "log"), "--checkpoint",
+                           str(checkpoint), "--until", str(until), "--save", str(saved)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = load_file(str(saved)), load_file(str(expected / "model.safetensors"))
+    shared = got.keys() & want.keys()
+    assert shared and len(shared) >= len(want) - 1, (sorted(got), sorted(want))
+    return max(float((got[k] - want[k]).abs().max()) for k in shared)
 
 
 # ----------------------------------------------------------------------------------- fast, no engine

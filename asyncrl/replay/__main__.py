@@ -1,0 +1,7 @@
+"""``python -m asyncrl.replay``: the ``asyncrl`` command (``asyncrl.replay.cli``)."""
+
+import sys
+
+from asyncrl.replay.cli import main
+
+sys.exit(main())
