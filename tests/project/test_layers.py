@@ -17,7 +17,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 def test_no_module_imports_upward_and_siblings_form_no_circle():
     done = subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert re.search(r"Contracts: 2 kept, 0 broken", done.stdout), done.stdout[-2000:]
+    assert re.search(r"Contracts: \d+ kept, 0 broken", done.stdout), done.stdout[-2000:]
 
 
 def test_the_architecture_doc_draws_the_contract_s_layers():

@@ -44,7 +44,8 @@ PROGRAM = textwrap.dedent('''
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
     from asyncrl.metrics import JsonlSink, TensorBoardSink, WandbSink  # noqa: F401  (the sinks import)
     from asyncrl.examples import (  # noqa: F401  (the examples ship in the wheel, behind its console scripts)
-        distributed_grpo, embedded_service, entry, grpo_offpolicy, remote_learner, sft, tool_use)
+        demo, distributed_grpo, embedded_service, entry, grpo_offpolicy, remote_learner, sft, tool_use)
+    import asyncrl.replay  # noqa: F401  (asyncrl replay: the log reader and replay import without a checkout)
     from asyncrl.testing import build_tiny
     from asyncrl.testing.tasks import arithmetic
 
@@ -62,7 +63,8 @@ PROGRAM = textwrap.dedent('''
             producer=asyncrl.ProducerConfig(sampling=asyncrl.SamplingConfig(n=2, max_tokens=4)),
             learner=asyncrl.LearnerConfig(batch_groups=2, skip_inert_groups=False))
         reward = lambda prompt, sample: arithmetic.reward(sample.text, prompt.answer)
-        pipeline = asyncrl.grpo_pipeline(engine, policy, prompts, reward, config, pad_id=tok.pad_token_id,
+        pipeline = asyncrl.grpo_pipeline(engine, policy, prompts, asyncrl.RewardGroups(reward), config,
+                                         pad_id=tok.pad_token_id,
                                          monitor=JsonlSink("metrics.jsonl"))
         result = await pipeline.run(steps=2)
         assert result.steps == 2 and result.unaccounted == 0, result
