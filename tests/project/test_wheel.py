@@ -45,7 +45,6 @@ PROGRAM = textwrap.dedent('''
     from asyncrl.metrics import JsonlSink, TensorBoardSink, WandbSink  # noqa: F401  (the sinks import)
     from asyncrl.examples import (  # noqa: F401  (the examples ship in the wheel, behind its console scripts)
         demo, distributed_grpo, embedded_service, entry, grpo_offpolicy, remote_learner, sft, tool_use)
-    import asyncrl.replay  # noqa: F401  (asyncrl replay: the log reader and replay import without a checkout)
     from asyncrl.testing import build_tiny
     from asyncrl.testing.tasks import arithmetic
 
