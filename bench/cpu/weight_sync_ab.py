@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from bench.cpu.bench_ab import worktree
 
 
 def parse_args(argv: list[str] | None = None) -> Any:
@@ -61,16 +62,11 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def run_interleaved(args: Any, commit: str, runs: dict[str, list[dict[str, Any]]]) -> None:
     """``--rounds`` rounds of (before, after), the before side in a temporary worktree of ``commit``."""
-    with tempfile.TemporaryDirectory(prefix="asyncrl-ab-") as tmp:
-        before = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(before), commit], cwd=common.ROOT, check=True)
-        try:
-            for round_ in range(args.rounds):
-                for side, tree in (("before", before), ("after", common.ROOT)):
-                    runs[side].append(run_side(tree, args, Path(tmp) / f"{side}-{round_}"))
-                    print(f"round {round_ + 1}: {side} done", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=common.ROOT, check=False)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-ab-runs-") as tmp, worktree(commit) as before:
+        for round_ in range(args.rounds):
+            for side, tree in (("before", before), ("after", common.ROOT)):
+                runs[side].append(run_side(tree, args, Path(tmp) / f"{side}-{round_}"))
+                print(f"round {round_ + 1}: {side} done", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
