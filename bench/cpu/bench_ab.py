@@ -58,7 +58,8 @@ def worktree(commit: str) -> Iterator[Path]:
 def run_side(tree: Path, bench: str, bench_args: list[str], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", f"bench.cpu.{bench}", *bench_args, "--out", str(out)]
-    env_path = {"PYTHONPATH": str(tree)}  # the side's own asyncrl, also in the processes it starts
+    # The side's own asyncrl first, also in the processes it starts (then whatever the path held: a site of vLLM).
+    env_path = {"PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)}
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env_path})
     return json.loads(next(out.glob(f"{bench}_*.json")).read_text())
 
