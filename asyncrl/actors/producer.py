@@ -125,8 +125,8 @@ class Producer:
     async def produce_one(self, index: int, prompt: Prompt, ticket: int | None = None) -> RolloutGroup | None:
         """Make, score and ship the group for one prompt (with its admission ``ticket``); None if it was dropped
         (and counted)."""
-        request = GroupRequest(f"{prompt.prompt_id}#{index}", prompt, self.sampler, self.config,
-                               self.counters.sampling)
+        group_id = f"{prompt.prompt_id}#{index}"  # the queue's de-dup key: a retried send is stored once
+        request = GroupRequest(group_id, prompt, self.sampler, self.config, self.counters.sampling)
         try:
             group = await self.groups.make(request)
         except RolloutDropped as drop:

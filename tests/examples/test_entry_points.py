@@ -1,5 +1,5 @@
-"""The examples' console scripts (pyproject.toml ``[project.scripts]``) are installed, and ``--help`` of each
-exits 0 and names the environment the program needs."""
+"""The package's console scripts (pyproject.toml ``[project.scripts]``: the examples' and ``asyncrl``, the replay
+tools) are installed, and ``--help`` of each exits 0 and names what the program needs."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ SCRIPTS = {  # script -> what its --help must mention
     "asyncrl-distributed-grpo": ["--servers"],
     "asyncrl-embedded-service": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
     "asyncrl-remote-learner": ["ASYNCRL_TOKEN", "JSON lines on stdout"],
+    "asyncrl": ["replay", "plot"],
 }
 
 
-def test_every_example_script_is_declared() -> None:
+def test_every_script_is_declared() -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(declared) == set(SCRIPTS)
 

@@ -21,9 +21,6 @@ from asyncrl.types import DropReason
 from tests.support.rollout_log import make_batch, totals_at
 from tests.support.scripts import write_rollout_log
 
-SCRIPT = Path(write_rollout_log.__file__)
-
-
 async def write_steps(directory: Path, steps: range, **config: object) -> RolloutLog:
     rollout_log = RolloutLog.open(RolloutLogConfig(directory, **config), {"run": "test"})
     try:
@@ -149,7 +146,8 @@ async def test_closing_while_cancelled_still_writes_what_was_handed_over(tmp_pat
 
 
 def test_a_writer_killed_mid_write_leaves_only_whole_steps(tmp_path, caplog):
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dir", str(tmp_path / "log"), "--pause-at", "6",
+    # Run as a module from the checkout, so the script finds ``tests.support`` wherever the suite runs.
+    proc = subprocess.Popen([sys.executable, "-m", write_rollout_log.__name__, "--dir", str(tmp_path / "log"), "--pause-at", "6",
                              "--steps-per-file", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[2])
     try:
