@@ -103,10 +103,16 @@ def token_staleness(rollouts: Sequence[Rollout], width: int, policy_version: int
     return out
 
 
-def staleness_metrics(staleness: Tensor, mask: Tensor, hit: Tensor, name: str) -> dict[str, Tensor]:
+def staleness_metrics(staleness: Tensor, mask: Tensor, hit: Tensor, name: str,
+                      kl: Tensor | None = None) -> dict[str, Tensor]:
     """Detached 0-dim gauges over model tokens: ``loss/staleness_mean`` and ``_max``, and per staleness bucket
-    the share of tokens in it (``loss/token_frac_<bucket>``) and the fraction of its tokens that ``hit``
-    flags (``loss/<name>_<bucket>``: where the correction bites; 0 for an empty bucket)."""
+    the share of tokens in it (``loss/token_frac_<bucket>``), the fraction of its tokens that ``hit`` flags
+    (``loss/<name>_<bucket>``: where the correction bites; 0 for an empty bucket) and, given the per-token k3
+    ``kl`` against the behaviour policy, its mean there (``loss/approx_kl_behaviour_<bucket>``).
+
+    Bucket ``s0`` holds tokens sampled by the weights the learner holds: their ratio is the train-inference
+    mismatch alone (the engine's precision and kernels), not staleness. ``loss/mismatch_kl`` and
+    ``loss/mismatch_cut_frac`` name it, so what an FP8 engine costs reads apart from what asynchrony costs."""
     staleness, hit = staleness.detach(), hit.detach()
     total = mask.sum().clamp(min=1)
     out = {"loss/staleness_mean": (staleness * mask).sum() / total, "loss/staleness_max": (staleness * mask).max()}
@@ -116,4 +122,9 @@ def staleness_metrics(staleness: Tensor, mask: Tensor, hit: Tensor, name: str) -
         count = inside.sum()
         out[f"loss/token_frac_{bucket}"] = count / total
         out[f"loss/{name}_{bucket}"] = (hit * inside).sum() / count.clamp(min=1)
+        if kl is not None:
+            out[f"loss/approx_kl_behaviour_{bucket}"] = (kl.detach() * inside).sum() / count.clamp(min=1)
+    out["loss/mismatch_cut_frac"] = out[f"loss/{name}_{STALENESS_BUCKETS[0]}"]
+    if kl is not None:
+        out["loss/mismatch_kl"] = out[f"loss/approx_kl_behaviour_{STALENESS_BUCKETS[0]}"]
     return out

@@ -245,7 +245,8 @@ def policy_loss(
     if staleness is not None:
         truncating = cfg.correction == Correction.TRUNCATE
         metrics.update(staleness_metrics(staleness, mask, truncated if truncating else masked,
-                                         "is_trunc_frac" if truncating else "is_masked_frac"))
+                                         "is_trunc_frac" if truncating else "is_masked_frac",
+                                         kl=k3(behaviour_log_ratio)))
     if ref_logp is not None:
         kl = k3(torch.where(mask > 0, ref_logp.detach() - logp, 0.0))
         loss = loss + cfg.kl_coef * normalise(kl, mask, cfg, max_tokens)

@@ -245,6 +245,21 @@ def test_staleness_gauges_match_a_loop() -> None:
         assert got[f"loss/is_masked_frac_{bucket}"].item() == pytest.approx((h & inside).sum() / inside.sum(), rel=1e-6)
 
 
+def test_the_mismatch_at_equal_versions_reads_apart_from_staleness() -> None:
+    # Fresh tokens (s0) differ from the behaviour by a precision-sized log-ratio, stale ones (s2) by a large one:
+    # the mismatch gauges see only the first, the s2 bucket only the second.
+    old = t([[0, 0, 0, 0]])
+    behaviour = t([[-0.01, 0.01, -2.0, -2.0]])
+    staleness = t([[0, 0, 2, 2]])
+    _, m = policy_loss(old.clone(), old, behaviour, t([1]), t([[1, 1, 1, 1]]), LossConfig(is_cap=2.0),
+                       staleness=staleness)
+    fresh = (math.exp(0.01) - 0.01 - 1 + math.exp(-0.01) + 0.01 - 1) / 2
+    assert m["loss/mismatch_kl"].item() == pytest.approx(fresh, rel=1e-3)  # float32
+    assert m["loss/approx_kl_behaviour_s2"].item() == pytest.approx(math.exp(2.0) - 2.0 - 1, rel=1e-5)
+    assert m["loss/mismatch_cut_frac"].item() == 0.0 and m["loss/is_trunc_frac_s2"].item() == 1.0
+    assert m["loss/approx_kl_behaviour_s1"].item() == 0.0  # an empty bucket
+
+
 def test_truncation_reports_its_capped_fraction_by_bucket_and_keeps_the_old_numbers() -> None:
     # the old rule's case (tests/algorithms/test_losses.py): weights e (capped at 2), e^0.5, 1; and 1
     old = t([[0, 0, 0], [0, 0, 0]])
