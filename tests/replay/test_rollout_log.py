@@ -147,8 +147,9 @@ async def test_closing_while_cancelled_still_writes_what_was_handed_over(tmp_pat
 
 def test_a_writer_killed_mid_write_leaves_only_whole_steps(tmp_path, caplog):
     # Run as a module from the checkout, so the script finds ``tests.support`` wherever the suite runs.
-    proc = subprocess.Popen([sys.executable, "-m", write_rollout_log.__name__, "--dir", str(tmp_path / "log"), "--pause-at", "6",
-                             "--steps-per-file", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", write_rollout_log.__name__, "--dir", str(tmp_path / "log"),
+                             "--pause-at", "6", "--steps-per-file", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(__file__).resolve().parents[2])
     try:
         events = []
