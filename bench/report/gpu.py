@@ -96,7 +96,19 @@ def lora_sides(r: dict[str, Any]) -> list[str]:
                   "steady", "tokens/s", "steady", "reward"], rows) + ([""] + notes if notes else [])
 
 
+def fp8(r: dict[str, Any]) -> list[str]:
+    rows = [[f"{i + 1}", name, side["precision"], num(side["decode_tokens_per_s"], 0),
+             ms(side["publication_pause_median_s"]), num(side["start_s"], 1)]
+            for i, round_ in enumerate(r["rounds"]) for name, side in round_.items()]
+    return table(["round", "engine", "samples in", "decode tokens/s", "publication pause (median)", "start s"],
+                 rows) + ["", f"FP8 / bf16: decode **{num(r['decode_speedup_median'], 3)}x**, publication pause "
+                              f"**{num(r['pause_ratio_median'], 3)}x** (medians over rounds)."]
+
+
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "fp8": ("FP8 rollouts against bf16", "bench/gpu/fp8.py: one bf16 checkpoint served in bf16 and in FP8 (vLLM's "
+            "online quantization), decode speed with ignore_eos, and the pause of a full-weight publication of the "
+            "learner's bf16 weights into each (CUDA IPC, KEEP).", fp8),
     "sleep": ("Sleep mode", "vLLM sleep levels 1 and 2 on the GPU test model: memory freed, sleep, wake with a "
               "weight update, and the log-prob parity check passed.", sleep_mode),
     "startup_probe": ("Engine start-up on the GPU", "Where an engine start's seconds go, per variant (seconds).",

@@ -65,7 +65,22 @@ def weight_sync_ab(r: dict[str, Any]) -> list[str]:
                                                  f"in order: {loads}."]
 
 
+def bench_ab(r: dict[str, Any]) -> list[str]:
+    rows = [[name, num(s["before"], 4), num(s["after"], 4), num(s["after_over_before"], 3)]
+            for name, s in r["summary"].items()]
+    loads = ", ".join(f"{side} {num(doc['hardware']['loadavg_at_start'][0], 1)}" for side in ("before", "after")
+                      for doc in r["runs"][side])
+    return table(["figure", "before (median)", "after (median)", "after / before"], rows) + [
+        "", f"Before: commit `{r['before'][:8]}`, {len(r['runs']['before'])} runs a side, alternated. The runs' load "
+            f"at start: {loads}."]
+
+
+AB = ("{} before and after a change", "bench.cpu.{} on two revisions, alternated in one run "
+      "(``bench.cpu.bench_ab``); medians of each side.")
+
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
+    "ab_engine_limit": (AB[0].format("Engine limit"), AB[1].format("engine_limit"), bench_ab),
+    "ab_queue_micro": (AB[0].format("Queue layer"), AB[1].format("queue_micro"), bench_ab),
     "engine_limit": ("Engine limit", "Tokens/s through the whole producer path vs the bare engine, same "
                      "requests, pairs alternated.", engine_limit),
     "queue_micro": ("Queue layer", "Producer -> queue -> consumer with an engine that costs nothing.", queue_micro),

@@ -3,7 +3,8 @@
 1. Reload from a staged safetensors directory (every platform, the only one that works on CPU, where linear
    weights are repacked after loading). It keeps tied weights tied, see below.
 2. CUDA: the learner's tensors arrive through one CUDA IPC handle while generation still runs and are loaded
-   (``model.load_weights``, so vLLM's own name mapping and shard fusing apply) into *shadow* copies of the
+   (``model.load_weights``, so vLLM's own name mapping and shard fusing apply; vLLM's layerwise reload where
+   the engine quantizes its weights) into *shadow* copies of the
    parameters. Under the pause, a commit copies shadows into the live parameters: one batched device copy,
    the same storage addresses (CUDA graphs stay valid), no Python loop over checkpoint names. While the
    engine sleeps (nothing generates) the update loads straight into the live parameters instead.
@@ -128,14 +129,32 @@ class AsyncRLWorkerExtension:
         self._asyncrl_staged = None
         model = self.model_runner.get_model()
         with params_swapped(model, self._asyncrl_shadow_params(model)):
-            count = _load_payload(model, payload)
+            count = self._asyncrl_load_payload(payload)
         self._asyncrl_staged = version
         return count
 
     def asyncrl_load_ipc(self, payload: bytes) -> int:
         """Load a ``pack_for_ipc`` payload straight into the live parameters: only while nothing generates
         (the engine sleeps, its weights woken), where the shadow copy would only cost memory."""
-        return _load_payload(self.model_runner.get_model(), payload)
+        return self._asyncrl_load_payload(payload)
+
+    def _asyncrl_load_payload(self, payload: bytes) -> int:
+        """Load checkpoint-format tensors into the parameters the model holds now (live or shadows).
+
+        An engine that quantizes its weights as it loads them (``VLLMEngineConfig.quantization``, e.g. FP8 from
+        a bf16 checkpoint) holds kernel-format parameters (FP8, transposed, with scales) that the checkpoint
+        loaders cannot write. vLLM's layerwise reload takes them instead: it rebuilds each layer in checkpoint
+        format, quantizes it again (new scales with the new weights, never stale ones) and copies the result
+        into the parameters' own storage, which under ``params_swapped`` is the shadows'."""
+        packed = pickle.loads(payload)
+        flat = open_ipc_tensor(packed["handle"], packed["device_uuid"])
+        weights = unpack(flat, packed["layout"])
+        if self.model_runner.model_config.quantization is not None:
+            self.model_runner.reload_weights(weights_iterator=weights)
+        else:
+            self.model_runner.get_model().load_weights(weights)
+        torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
+        return len(packed["layout"])
 
     def asyncrl_release_shadows(self) -> None:
         """Free the shadow parameters (before sleeping: memory outside vLLM's pool is not freed by sleep).
@@ -161,14 +180,6 @@ class AsyncRLWorkerExtension:
         if getattr(self, "_asyncrl_shadows", None) is None:
             self._asyncrl_shadows = {n: p.data.clone() for n, p in model.named_parameters()}
         return self._asyncrl_shadows
-
-
-def _load_payload(model: torch.nn.Module, payload: bytes) -> int:
-    packed = pickle.loads(payload)
-    flat = open_ipc_tensor(packed["handle"], packed["device_uuid"])
-    model.load_weights(unpack(flat, packed["layout"]))
-    torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
-    return len(packed["layout"])
 
 
 def own_input_queue() -> Any:
