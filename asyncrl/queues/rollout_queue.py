@@ -109,8 +109,10 @@ class _Waiters:
 DropObserver = Callable[[DropReason, Sequence[RolloutGroup]], None]  # told of the groups the queue drops, on the loop
 
 
-class _Queued(NamedTuple):
-    """A group in the queue, in its envelope."""
+@dataclass(slots=True)
+class _Queued:
+    """A group in the queue, in its envelope (not frozen: a frozen dataclass costs 0.5 us more per group, on the
+    queue's hot path)."""
 
     arrived: float  # time.monotonic() when it was accepted
     group: RolloutGroup

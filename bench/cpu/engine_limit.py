@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if "log_ratio" in res:
         print(f"with the rollout log {res['log_tokens_per_s']:,.0f} tok/s: {res['log_ratio']:.3f} of the plain "
               f"pipeline (per pair {', '.join(f'{r:.3f}' for r in res['log_pair_ratios'])})", flush=True)
-    result.write(res)
+    result.write(res, suffix="_rollout_log" if args.rollout_log else "")  # beside the plain run's file
     return 0
 
 

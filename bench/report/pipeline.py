@@ -18,6 +18,9 @@ def engine_limit(r: dict[str, Any]) -> list[str]:
                        ("main_cpu_us_per_token", "main process CPU per token, whole producer path")):
         if key in r:
             rows.append([label, f"{num(r[key], 1)} µs", ""])
+    if "log_ratio" in r:
+        rows += [["with the rollout log / plain pipeline tokens/s", f"**{num(r['log_ratio'], 3)}**", ">= 0.97"],
+                 ["pairs", ", ".join(num(x, 3) for x in r["log_pair_ratios"]), ""]]
     return table(["figure", "value", "target"], rows)
 
 

@@ -259,15 +259,47 @@ def agent_block(results_dir: Path) -> str:
     return " ".join(parts) + f" ({source})"
 
 
+def fp8_block(results_dir: Path) -> str:
+    """FP8 rollouts against bf16 on one GPU: decode speed and the publication pause, side by side."""
+    x = _load(results_dir, "fp8_h200_q15b")
+    if x is None:
+        return "(no FP8 result yet: `python -m bench.gpu.fp8 --shape qwen2-1.5b`)"
+    r, source = x
+    fp8, bf16 = r["rounds"][0]["fp8"], r["rounds"][0]["bf16"]
+    return (f"At the 1.5B shape on one H200, the same bf16 checkpoint served in FP8 decodes at "
+            f"**{num(r['decode_speedup_median'], 3)}x** the tokens/s of bf16 "
+            f"({num(fp8['decode_tokens_per_s'], 0)} against {num(bf16['decode_tokens_per_s'], 0)}, "
+            f"{len(r['rounds'])} round), and a publication of the learner's bf16 weights into it pauses "
+            f"{ms(fp8['publication_pause_median_s'])} against {ms(bf16['publication_pause_median_s'])} "
+            f"(x{num(r['pause_ratio_median'])}; the FP8 quantization runs while staging, before the pause) ({source}).")
+
+
+def structure_block(results_dir: Path) -> str:
+    """The group-maker restructuring against the revision before it, alternated in one run."""
+    lines = []
+    for bench, figures in (("queue_micro", ("rollouts_per_s", "p99_ms")), ("engine_limit", ("ratio",))):
+        x = _load(results_dir, f"ab_{bench}_cpu")
+        if x is None:
+            lines.append(f"- {bench}: (no result yet: `python -m bench.cpu.bench_ab --bench {bench} --before 1d611fb`)")
+            continue
+        r, source = x
+        told = ", ".join(f"{name} {num(r['summary'][name]['before'], 4)} -> {num(r['summary'][name]['after'], 4)} "
+                         f"(**x{num(r['summary'][name]['after_over_before'], 3)}**)" for name in figures)
+        lines.append(f"- {bench}, `{r['before'][:8]}` -> this tree, medians of {len(r['runs']['after'])} runs a "
+                     f"side: {told} ({source}).")
+    return "\n".join(lines)
+
+
 # Which document holds which blocks.
-FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora", "agents")}
+FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora", "agents", "fp8",
+                                        "structure")}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
     """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
     blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
               "staleness": staleness_block, "lora": lora_block, "preference": preference_block,
-              "agents": agent_block}
+              "agents": agent_block, "fp8": fp8_block, "structure": structure_block}
     for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)

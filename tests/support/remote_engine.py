@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engines.vllm_remote import RemoteEngineConfig
+from asyncrl.engines.protocols import BehaviourPrecision
+from asyncrl.engines.vllm_remote import RemoteEngineConfig, server_precision_args
 from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, group_members, start_vllm_server
 from asyncrl.testing.tasks import arithmetic
 from asyncrl.testing.tiny import TinyModelSpec, build_tiny
@@ -21,6 +22,7 @@ MAX_MODEL_LEN = 256  # the servers' context: room for long samples, so that a pa
 # Server vs transformers (on CPU) log-probs, float32. On the H200 (vLLM 0.26, Triton attention) they were seen
 # up to 3.7e-3 apart on this model: GPU kernels sum in another order. Still well under the 0.05 a sync changes.
 TOL = 1e-2 if torch.cuda.is_available() else 1e-3
+SERVED_PRECISION = BehaviourPrecision("float32")  # what the shared servers are started in (server_precision_args)
 
 
 def remote_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -36,7 +38,7 @@ def remote_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _device_args() -> list[str]:
     """The servers' arguments. The tests also run on a GPU machine (vLLM 0.26 there): float32 needs Triton
     attention."""
-    args = [*SERVER_TEST_ARGS, "--max-model-len", str(MAX_MODEL_LEN)]
+    args = [*SERVER_TEST_ARGS, *server_precision_args(SERVED_PRECISION), "--max-model-len", str(MAX_MODEL_LEN)]
     if torch.cuda.is_available():
         args += ["--gpu-memory-utilization", "0.2", "--attention-backend", "TRITON_ATTN"]
     return args

@@ -3,7 +3,7 @@ for server processes (``start_vllm_server``: a server that dies with the process
 
 from asyncrl.engines.vllm_remote.config import NcclTransportConfig, RemoteEngineConfig
 from asyncrl.engines.vllm_remote.engine import RemoteVLLMEngine
-from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, start_vllm_server
+from asyncrl.engines.vllm_remote.process import ServerProcess, free_port, server_precision_args, start_vllm_server
 
 __all__ = ["NcclTransportConfig", "RemoteEngineConfig", "RemoteVLLMEngine", "ServerProcess", "free_port",
-           "start_vllm_server"]
+           "server_precision_args", "start_vllm_server"]

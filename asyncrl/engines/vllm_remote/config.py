@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config_base import PathStr, PositiveInt, Seconds, config, require
 from asyncrl.engines.lora.transport import LoraServingConfig
+from asyncrl.engines.protocols import BehaviourPrecision
 from asyncrl.errors import ConfigError
 
 
@@ -60,6 +61,10 @@ class RemoteEngineConfig:
     nccl: Annotated[NcclTransportConfig | None, Field(description=(
         "publish by NCCL broadcast from this process's GPU (the server runs with --weight-transfer-config "
         "'{\"backend\": \"nccl\"}'); None: staged files the server reloads (same machine)"))] = None
+    precision: Annotated[BehaviourPrecision | None, Field(description=(
+        "what the server samples in, as it was started (vLLM does not report it): e.g. "
+        "{dtype: 'bfloat16', quantization: 'fp8'} for FP8 rollouts beside a bf16 learner. Start the server with "
+        "``server_precision_args(precision)`` so both say the same. None: unknown, nothing checked"))] = None
 
     @model_validator(mode="after")
     def _one_transport(self) -> RemoteEngineConfig:

@@ -36,7 +36,7 @@ from asyncrl.aio import TaskOwner, settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import completion_room
 from asyncrl.engines.death import Death
-from asyncrl.engines.protocols import Engine, WeightUpdate, request_seed
+from asyncrl.engines.protocols import BehaviourPrecision, Engine, WeightUpdate, request_seed
 from asyncrl.engines.vllm_remote.api import ServerApi, ServerInfo, ServerStatusError, server_info
 from asyncrl.engines.lora.transport import AdapterTransport, ServedAdapter
 from asyncrl.engines.transports.base import WeightTransport, check_carries
@@ -133,6 +133,10 @@ class RemoteVLLMEngine(Engine):
     @property
     def config(self) -> RemoteEngineConfig:
         return self._cfg
+
+    @property
+    def behaviour_precision(self) -> BehaviourPrecision | None:
+        return self._cfg.precision  # declared with the server's start (RemoteEngineConfig.precision)
 
     def metrics(self) -> dict[str, float]:
         """Gauges of this engine's client side."""

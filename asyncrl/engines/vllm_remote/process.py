@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 
 from asyncrl.aio import TaskOwner
+from asyncrl.engines.protocols import BehaviourPrecision
 from asyncrl.engines.rpc_dir import ENV as RPC_ENV
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir
 from asyncrl.engines.vllm_local.config import WORKER_EXTENSION
@@ -32,7 +33,7 @@ from asyncrl.engines.vllm_remote import guardian
 from asyncrl.engines.vllm_remote.guardian import group_members
 
 __all__ = ["DEFAULT_ENV", "ServerProcess", "free_port", "group_members", "server_args", "server_env",
-           "start_vllm_server"]
+           "server_precision_args", "start_vllm_server"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,18 @@ def server_args(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()
         *_platform_args(),
         *extra_args,
     ]
+
+
+def server_precision_args(precision: BehaviourPrecision) -> list[str]:
+    """The server flags that make it sample in ``precision``: pass them in ``start_vllm_server(extra_args=...)``
+    and the same ``precision`` as ``RemoteEngineConfig.precision``, so what the server does and what the engine
+    declares cannot drift apart."""
+    args = ["--dtype", precision.dtype]
+    if precision.quantization is not None:
+        args += ["--quantization", precision.quantization]
+    if precision.kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", precision.kv_cache_dtype]
+    return args
 
 
 def _platform_args() -> list[str]:

@@ -8,6 +8,7 @@ One server, ``server_a`` (conftest.py), is started for the whole module (~30 s o
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +28,7 @@ from asyncrl.engines.weights import state_dict_for_engine
 from asyncrl.episodes import EpisodeRunner, StepResult, turn_slices
 from asyncrl.types import FinishReason, PauseMode, Prompt, Sample
 from tests.support.remote_engine import (
-    MAX_MODEL_LEN, PROMPT, SEQS, TOL, _cfg, _device_args, _hf_logprobs, _max_diff, _perturbed,
+    MAX_MODEL_LEN, PROMPT, SEQS, SERVED_PRECISION, TOL, _cfg, _device_args, _hf_logprobs, _max_diff, _perturbed,
 )
 from tests.support import CpuBurners, apply_update
 
@@ -116,6 +117,33 @@ def test_config_errors_name_the_field(model_dir: Path, tmp_path: Path) -> None:
 
 
 # -- one server --------------------------------------------------------------------------------------------
+
+
+@aio
+async def test_the_declared_precision_is_what_the_pipeline_pairs_with_the_learner(server_a: ServerProcess,
+                                                                                 model_dir: Path,
+                                                                                 hf_model: torch.nn.Module) -> None:
+    """A server says nothing of its numerics: undeclared, nothing is checked; declared as it was started
+    (``server_precision_args``), a learner in another plain dtype is refused and one in the same is accepted."""
+    from asyncrl.config import PipelineConfig
+    from asyncrl.recipes import check_engine_fits
+
+    bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    undeclared = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir), name="undeclared")
+    declared = await RemoteVLLMEngine.connect(_cfg(server_a, model_dir, precision=SERVED_PRECISION), name="declared")
+    try:
+        assert undeclared.behaviour_precision is None and check_engine_fits(undeclared, bf16, PipelineConfig()) is None
+        assert declared.behaviour_precision == SERVED_PRECISION
+        with pytest.raises(ConfigError, match="allow_dtype_mismatch"):
+            check_engine_fits(declared, bf16, PipelineConfig())
+        check_engine_fits(declared, hf_model, PipelineConfig())
+        # Declared in a config file's terms (a mapping), as a TOML or JSON run configuration gives it.
+        assert RemoteEngineConfig(base_url=server_a.base_url, model="m", model_dir=str(model_dir),
+                                  precision={"dtype": "bfloat16", "quantization": "fp8"}).precision.quantized
+    finally:
+        await undeclared.close()
+        await declared.close()
+
 
 
 @aio
