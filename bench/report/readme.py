@@ -283,10 +283,16 @@ def structure_block(results_dir: Path) -> str:
             lines.append(f"- {bench}: (no result yet: `python -m bench.cpu.bench_ab --bench {bench} --before 1d611fb`)")
             continue
         r, source = x
-        told = ", ".join(f"{name} {num(r['summary'][name]['before'], 4)} -> {num(r['summary'][name]['after'], 4)} "
+        def fig(v: float) -> str:
+            return num(v, 0) if v >= 100 else num(v, 3)
+        told = ", ".join(f"{name} {fig(r['summary'][name]['before'])} -> {fig(r['summary'][name]['after'])} "
                          f"(**x{num(r['summary'][name]['after_over_before'], 3)}**)" for name in figures)
         lines.append(f"- {bench}, `{r['before'][:8]}` -> this tree, medians of {len(r['runs']['after'])} runs a "
                      f"side: {told} ({source}).")
+        if (earlier := repeat_of(results_dir / f"ab_{bench}_cpu.json")) is not None:
+            e = results_of(earlier[0])["summary"]
+            lines[-1] += (" An earlier run of the same command: " + ", ".join(
+                f"{name} x{num(e[name]['after_over_before'], 3)}" for name in figures) + ".")
     return "\n".join(lines)
 
 
