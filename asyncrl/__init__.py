@@ -16,8 +16,8 @@ from asyncrl.config import (
 from asyncrl.data import Example, PromptSource, encode_prompts
 from asyncrl.episodes import EpisodeGroups
 from asyncrl.errors import (
-    ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, NoProgressError, PromptRejected,
-    PublicationMismatch, QueueClosed, RolloutDropped, WeightUpdateError,
+    ConfigError, DistributedError, EndOfRollouts, EngineError, InvalidGroupError, MemoryBudgetError, NoProgressError,
+    PromptRejected, PublicationMismatch, QueueClosed, RolloutDropped, WeightUpdateError,
 )
 from asyncrl.groups import GroupMaker, GroupRequest, RewardFn, RewardGroups
 from asyncrl.pipeline import Pipeline, RunResult
@@ -49,7 +49,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AbortPolicy", "Autocast", "ConfigError", "DistributedError", "DropReason", "EndOfRollouts", "EngineError",
     "EpisodeConfig", "EpisodeGroups", "Evaluator", "Example", "FinishReason", "GRPOLoss", "GroupMaker", "GroupRequest",
-    "InvalidGroupError", "InvalidGroupPolicy", "LearnerConfig", "LossConfig", "NoProgressError", "PauseMode",
+    "InvalidGroupError", "InvalidGroupPolicy", "LearnerConfig", "LossConfig", "MemoryBudgetError", "NoProgressError",
+    "PauseMode",
     "Pipeline", "PipelineConfig", "ProducerConfig", "Prompt", "PromptRejected", "PromptSource", "PublicationMismatch",
     "QueueClosed", "QueueConfig", "RewardExecution", "RewardFn", "RewardGroups", "Rollout", "RolloutDropped",
     "RolloutGroup", "RolloutLogConfig", "RunResult", "Sample", "SamplingConfig", "SyncConfig", "SyncTiming",

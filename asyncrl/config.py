@@ -203,6 +203,15 @@ class LearnerConfig:
         "recompute each transformer block's activations in the backward pass instead of keeping them (the "
         "model's ``gradient_checkpointing_enable()``): much less activation memory for about a third more "
         "compute, so larger micro-batches fit. The step is the same"))] = False
+    memory_budget_gib: Annotated[PositiveFloat | None, Field(description=(
+        "device memory one learner step may hold, in GiB (``asyncrl.actors.memory``): each pass is sized by the "
+        "plan's prediction of its peak (weights, gradients, optimiser states, activations, attention masks, the "
+        "log-prob head) instead of by ``micro_batch_rollouts``; ``micro_batch_tokens``, if set, caps passes "
+        "further. Gradient checkpointing is turned on (and left on) the first time a group needs it to fit. A "
+        "group that fits no pass fails its step before the first forward (``MemoryBudgetError``, naming the group, "
+        "its tokens and the budget); a budget below the static bytes fails construction. Steps report "
+        "``learner/memory_predicted_gib`` and, on a GPU, ``learner/memory_peak_gib``. Per rank for a sharded "
+        "learner. None = sized by the counts alone"))] = None
     skip_inert_groups: Annotated[Flag, Field(description=(
         "skip the forward/backward of groups the loss proves contribute no gradient (GRPO groups whose rewards "
         "are all equal, without KL or entropy terms). The update is the same; their tokens still count in the "

@@ -13,6 +13,19 @@ class ConfigError(ValueError):
         self.field = field_name
 
 
+class MemoryBudgetError(ConfigError):
+    """A batch holds a group that no forward/backward pass can fit within ``LearnerConfig.memory_budget_gib``,
+    even with gradient checkpointing. Raised before the step's first forward: nothing was changed. Names the
+    group, its forward tokens, what one pass over it needs and the budget (bytes)."""
+
+    def __init__(self, group_id: str, tokens: int, needed_bytes: int, budget_bytes: int, message: str) -> None:
+        super().__init__("LearnerConfig.memory_budget_gib", message)
+        self.group_id = group_id
+        self.tokens = tokens
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+
+
 class EngineError(RuntimeError):
     """An engine failed or died. ``engine`` names which one."""
 

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from asyncrl.actors.memory import MemoryPlan, memory_gauges, plan_memory, reset_peak
 from asyncrl.actors.probe import policy_logprobs
 from asyncrl.algorithms import varlen
 from asyncrl.algorithms.logprobs import ScoringOptions
@@ -26,8 +27,8 @@ from asyncrl.engines.updates import AdapterWeights, InMemory, WeightSource, mode
 from asyncrl.types import RolloutGroup
 
 __all__ = ["Chunk", "LocalBackend", "TrainingBackend", "accumulate", "batch_gauges", "chunks", "clip_and_step",
-           "compile_elementwise", "compile_layers", "forward_tokens", "is_inert", "precision", "prepare_model",
-           "trim_device_cache"]
+           "compile_elementwise", "compile_layers", "enable_checkpointing", "forward_tokens", "is_inert",
+           "micro_batches", "precision", "prepare_model", "trim_device_cache"]
 
 
 @runtime_checkable
@@ -214,6 +215,17 @@ def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,
     return out
 
 
+def micro_batches(active: Sequence[RolloutGroup], config: LearnerConfig,
+                  memory: MemoryPlan | None) -> list[list[RolloutGroup]]:
+    """The passes of a step: sized by the memory plan when there is one (``LearnerConfig.memory_budget_gib``;
+    pass it ``for_batch`` first), else by ``chunks``."""
+    if not active:
+        return []
+    if memory is not None:
+        return memory.split(active)
+    return chunks(active, config.micro_batch_rollouts, config.micro_batch_tokens)
+
+
 def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
     """Apply the learner's model-level settings: variable-length attention for packed rows, compiled layers or
     compiled element-wise chains, and gradient checkpointing (activations of each block are dropped after the forward
@@ -224,13 +236,20 @@ def prepare_model(model: torch.nn.Module, config: LearnerConfig) -> None:
         compile_layers(model)
     elif config.compile_elementwise:
         compile_elementwise(model)
-    if not config.gradient_checkpointing:
-        return
+    if config.gradient_checkpointing:
+        enable_checkpointing(model)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on the model's gradient checkpointing (``LearnerConfig.gradient_checkpointing``, or a memory plan
+    that needs it); nothing to do when it is on already."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise ConfigError("LearnerConfig.gradient_checkpointing",
                           f"needs a model with gradient_checkpointing_enable() (a transformers model), "
                           f"got {type(model).__name__}")
+    if getattr(model, "is_gradient_checkpointing", False):
+        return
     # Non-reentrant: needs no input that requires grad, and recomputes correctly under FSDP2.
     enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -276,16 +295,23 @@ class LocalBackend:
         self.optimizer = optimizer
         self.loss = loss
         self.config = config
+        # The memory plan (``LearnerConfig.memory_budget_gib``): a budget below the static bytes fails here.
+        self.memory = plan_memory(model, optimizer, config) if config.memory_budget_gib is not None else None
         prepare_model(model, config)
 
     def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
         cfg = self.config
+        active = [g for g in batch if not is_inert(self.loss, cfg, g)]
+        if self.memory is not None and active:  # a group that fits no pass fails here, before anything changes
+            self.memory = self.memory.for_batch(active)
+            if self.memory.checkpointing:
+                enable_checkpointing(self.model)
+            reset_peak(self.model)
+        parts = [Chunk(c) for c in micro_batches(active, cfg, self.memory)]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # Inert groups still count in the token normaliser, so the step equals one over the whole batch.
         total_tokens = sum(g.num_tokens for g in batch) or 1
-        active = [g for g in batch if not is_inert(self.loss, cfg, g)]
-        parts = [Chunk(c) for c in chunks(active, cfg.micro_batch_rollouts, cfg.micro_batch_tokens)] if active else []
         batch_loss, sums = accumulate(self.model, self.loss, parts, total_tokens=total_tokens,
                                       active_groups=len(active), config=cfg)
         if not active:
@@ -294,6 +320,8 @@ class LocalBackend:
         sums = finish_metrics(sums, batch_loss, batch, len(active), sum(len(g.rollouts) for g in active))
         sums["train/grad_norm"] = grad_norm
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.memory is not None:
+            sums.update(memory_gauges(self.memory, [c.groups for c in parts], self.model))
         return sums
 
     def publication_state(self) -> InMemory | AdapterWeights:

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from asyncrl.actors.probe import policy_logprobs
-from asyncrl.actors.training import (accumulate, clip_and_step, finish_metrics, is_inert, prepare_model,
-                                     trim_device_cache, zero_grads)
+from asyncrl.actors.memory import memory_gauges, plan_memory, reset_peak
+from asyncrl.actors.training import (accumulate, clip_and_step, enable_checkpointing, finish_metrics, is_inert,
+                                     prepare_model, trim_device_cache, zero_grads)
 from asyncrl.algorithms.losses import Loss
 from asyncrl.config import LearnerConfig
 from asyncrl.distributed.lora import check_optimizer, full_adapter_state, same_adapter
@@ -121,13 +122,22 @@ class FSDPBackend:
         self.publishes = UpdateKind.ADAPTER if is_lora(model) else UpdateKind.FULL
         if self.publishes is UpdateKind.ADAPTER:
             check_optimizer(model, optimizer)
+        # This rank's memory plan (``LearnerConfig.memory_budget_gib``), over its shards: rank 0's sizes the passes.
+        self.memory = plan_memory(model, optimizer, config) if config.memory_budget_gib is not None else None
         prepare_model(model, config)  # on every rank: a recomputed block gathers its shards again, a collective
 
     # -- rank 0: the learner's backend -------------------------------------------------------------------
 
     def train_step(self, batch: Sequence[RolloutGroup], step: int) -> dict[str, float]:
-        plan = plan_batch(batch, self.ctx.world_size, self.config.micro_batch_rollouts, step,
-                          lambda g: is_inert(self.loss, self.config, g), max_tokens=self.config.micro_batch_tokens)
+        def inert(group: RolloutGroup) -> bool:
+            return is_inert(self.loss, self.config, group)
+
+        if self.memory is not None:  # a group that fits no pass fails here, before any rank is told anything
+            self.memory = self.memory.for_batch([g for g in batch if not inert(g)])
+        memory = self.memory
+        plan = plan_batch(batch, self.ctx.world_size, self.config.micro_batch_rollouts, step, inert,
+                          max_tokens=self.config.micro_batch_tokens, split=memory.split if memory else None,
+                          checkpointing=memory is not None and memory.checkpointing)
         with self._command():
             shard = self.channel.scatter(plan.shards)
             assert isinstance(shard, RankShard)
@@ -135,6 +145,8 @@ class FSDPBackend:
         sums = finish_metrics(sums, batch_loss, batch, plan.active_groups, plan.scored_rollouts)
         sums["train/grad_norm"] = grad_norm
         sums["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        if memory is not None:  # the largest pass of any rank; the peak measured on rank 0's device
+            sums.update(memory_gauges(memory, [c.groups for s in plan.shards for c in s.chunks], self.model))
         return sums
 
     def publication_state(self) -> ShardedBuckets | AdapterWeights:
@@ -207,6 +219,10 @@ class FSDPBackend:
 
     def _train_shard(self, shard: RankShard) -> tuple[float, dict[str, float], float]:
         def step() -> tuple[float, dict[str, float], float]:
+            if shard.checkpointing:
+                enable_checkpointing(self.model)
+            if self.memory is not None:
+                reset_peak(self.model)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             batch_loss, sums = accumulate(self.model, self.loss, shard.chunks, total_tokens=shard.total_tokens,

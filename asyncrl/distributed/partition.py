@@ -23,6 +23,7 @@ class RankShard:
     chunks: list[Chunk]  # this rank's micro-batches, padding included; the same count on every rank
     total_tokens: int  # completion tokens of the whole batch, inert groups included (the normaliser)
     active_groups: int  # groups scored over every rank (metrics are weighted over these)
+    checkpointing: bool = False  # turn gradient checkpointing on first (the memory plan needs it; it stays on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +33,27 @@ class BatchPlan:
     scored_rollouts: int  # rollouts in the active groups
 
 
+Split = Callable[[Sequence[RolloutGroup]], list[list[RolloutGroup]]]
+
+
 def plan_batch(batch: Sequence[RolloutGroup], world_size: int, max_rollouts: int, step: int,
-               inert: Callable[[RolloutGroup], bool], *, max_tokens: int | None = None) -> BatchPlan:
+               inert: Callable[[RolloutGroup], bool], *, max_tokens: int | None = None, split: Split | None = None,
+               checkpointing: bool = False) -> BatchPlan:
     """Give each rank a share of the active groups balanced by tokens, cut into micro-batches of at most
-    ``max_rollouts`` rollouts (or ``max_tokens`` forward tokens, as ``chunks``), and pad every rank to the same
-    number of micro-batches."""
+    ``max_rollouts`` rollouts (or ``max_tokens`` forward tokens, as ``chunks``; or by ``split``, a memory plan's),
+    and pad every rank to the same number of micro-batches. ``checkpointing`` goes to every shard."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     total_tokens = sum(g.num_tokens for g in batch) or 1
     active = [g for g in batch if not inert(g)]
     parts = balanced(active, world_size)
-    per_rank = [[Chunk(c) for c in chunks(part, max_rollouts, max_tokens)] if part else [] for part in parts]
+    cut = split or (lambda groups: chunks(groups, max_rollouts, max_tokens))
+    per_rank = [[Chunk(c) for c in cut(part)] if part else [] for part in parts]
     count = max(len(c) for c in per_rank)
     if active:
         filler = Chunk([min(active, key=lambda g: g.num_tokens)], real=False)  # the cheapest group
         per_rank = [c + [filler] * (count - len(c)) for c in per_rank]
-    shards = [RankShard(step, c, total_tokens, len(active)) for c in per_rank]
+    shards = [RankShard(step, c, total_tokens, len(active), checkpointing) for c in per_rank]
     return BatchPlan(shards, len(active), sum(len(g.rollouts) for g in active))
 
 

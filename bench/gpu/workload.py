@@ -22,6 +22,10 @@ Layout ``1gpu`` (everything colocated on GPU 0):
   learner trains, publications every step in the background (max staleness ``--max-staleness``);
 - ``sync``: ours, ``Pipeline.run_synchronous`` on the same engine, which sleeps (``VLLMEngineConfig.sleep``,
   ``--sleep-level``) during every learner step and wakes weights -> update -> KV cache;
+- ``async_fp8`` (only when named in ``--sides``): ``async`` again on a second engine serving the same bf16
+  checkpoint in FP8 (``VLLMEngineConfig.quantization="fp8"``, vLLM's online quantization; publications requantize);
+  the learner stays in bf16 autocast, and the per-step mismatch it sees at equal versions (``loss/mismatch_kl``,
+  ``loss/mismatch_cut_frac``) is recorded beside the staleness;
 - ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
   ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``).
 Layout ``2gpu`` (engine on GPU 1, learner on GPU 0):
@@ -61,7 +65,9 @@ from bench.gpu.workload_task import max_model_len, prepare_model, task_prompts
 from bench.peers import workload_trl
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
-SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150}
+OPTIONAL_SIDES = ("async_fp8",)  # run only when named in --sides
+SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150,
+                "async_fp8": 150}
 log = logging.getLogger("bench.gpu.workload")
 
 
@@ -160,14 +166,16 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
     return time.perf_counter() - t0
 
 
-def engine_config(args: argparse.Namespace, model_dir: Path, lora: Any = None) -> Any:
-    """Our engine; with ``lora`` (a ``LoraConfig``), serving adapters of its rank (and never sleeping)."""
+def engine_config(args: argparse.Namespace, model_dir: Path, lora: Any = None, quantization: str | None = None
+                  ) -> Any:
+    """Our engine; with ``lora`` (a ``LoraConfig``), serving adapters of its rank (and never sleeping); with
+    ``quantization``, serving the checkpoint quantized so (only the async side runs on it: it never sleeps)."""
     from asyncrl.engines.lora.transport import LoraServingConfig
     from asyncrl.engines.vllm_local import VLLMEngineConfig
 
     gpu = common.on_gpu() and not args.cpu_smoke
-    sleeps = args.layout == "1gpu" and "sync" in args.sides and lora is None
-    return VLLMEngineConfig(model=str(model_dir), dtype="bfloat16" if gpu else "float32",
+    sleeps = args.layout == "1gpu" and "sync" in args.sides and lora is None and quantization is None
+    return VLLMEngineConfig(model=str(model_dir), dtype="bfloat16" if gpu else "float32", quantization=quantization,
                             max_model_len=max_model_len(args), max_num_seqs=args.max_num_seqs,
                             kv_cache_gib=args.kv_cache_gib, enforce_eager=not gpu, torch_compile=args.engine_compile,
                             seed=args.seed, sleep=args.sleep_level if sleeps else 0,
@@ -217,12 +225,15 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                                                 correction=args.correction))
     per_step = args.batch_groups * args.n
     marks, tokens, rewards = [], [], []
+    mismatch: dict[str, list[float]] = {"kl": [], "cut_frac": []}  # at equal versions: precision, not staleness
     t0 = time.perf_counter()
 
     def hook(step: int, m: dict[str, float]) -> None:
         marks.append(time.perf_counter() - t0)
         tokens.append(m.get("train/completion_len_mean", 0.0) * per_step)
         rewards.append(m.get("train/reward_mean", float("nan")))
+        for key in mismatch:
+            mismatch[key].append(m.get(f"loss/mismatch_{key}", float("nan")))
         print(f"step {step} ends at {marks[-1]:.1f}s", flush=True)  # a run cut short still shows its pace
 
     pipe.learner.hooks.append(hook)
@@ -233,7 +244,9 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     wall = time.perf_counter() - t0
     pauses = [t.total_s for t in pipe.learner.weight_sync.history]
     out = rates(marks, per_step, tokens, wall, args.skip_steps)
-    out.update(mode="sync" if synchronous else "async", rewards=rewards, tokens_generated=result.tokens_generated,
+    out.update(mode="sync" if synchronous else "async", rewards=rewards, mismatch_kl=mismatch["kl"],
+               mismatch_cut_frac=mismatch["cut_frac"], behaviour_precision=engine.behaviour_precision.describe(),
+               tokens_generated=result.tokens_generated,
                generated_tokens_per_s=result.tokens_generated / wall, learner_train_s=result.train_s,
                gen_s=result.gen_s, sync_paused_s=result.sync_s, sleep_s=result.sleep_s, dropped=result.dropped,
                unaccounted=result.unaccounted, gpu_peak_used_gib=list(memory.peak), learner_precompile_s=precompile_s,
@@ -282,37 +295,40 @@ async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]
     return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any]) -> None:
+async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any],
+               quantization: str | None = None) -> None:
     """Our sides on one engine (started once), into ``out``: ``alone`` first where asked, then ``async``, then
-    ``sync``."""
+    ``sync``; with ``quantization``, an engine serving the checkpoint so, and ``async`` alone (``async_fp8``)."""
     from transformers import AutoTokenizer
 
     import asyncrl
     from asyncrl.engines.vllm_local import VLLMEngine
 
+    suffix = f"_{quantization}" if quantization else ""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = task_prompts(args, tok, args.steps * args.batch_groups * 3)  # room for groups dropped as stale
     t0 = time.perf_counter()
     with engine_devices(args):
-        engine = await VLLMEngine.start(engine_config(args, model_dir))
-    out["engine_start_s"] = time.perf_counter() - t0
+        engine = await VLLMEngine.start(engine_config(args, model_dir, quantization=quantization))
+    out["engine_start_s" + suffix] = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()
         probe = prompts[-1]  # the first request pays one-off costs; its completions show the warm-started policy
         first = await engine.generate(probe.token_ids, asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                       "warm-up")
-        out["first_request"] = {"s": time.perf_counter() - t1, "expected_length": probe.answer,
-                                "lengths": [len(s.token_ids) for s in first],
-                                "rewards": [countdown.reward(s.text, probe.answer) for s in first]}
+        out["first_request" + suffix] = {"s": time.perf_counter() - t1, "expected_length": probe.answer,
+                                         "lengths": [len(s.token_ids) for s in first],
+                                         "rewards": [countdown.reward(s.text, probe.answer) for s in first]}
         report()
-        for side in ("alone", "async", "sync"):
-            if side in args.sides and report.fits(side):
+        for side in ("async",) if quantization else ("alone", "async", "sync"):
+            key = side + suffix
+            if key in args.sides and report.fits(key):
                 memory = watch(args)
                 if side == "alone":
-                    out[side] = await engine_alone(args, engine, prompts)
+                    out[key] = await engine_alone(args, engine, prompts)
                     await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
                 else:
-                    out[side] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory)
+                    out[key] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory)
                 if "alone" in out and "async" in out:
                     out["generation_limit_ratio"] = (out["async"]["generated_tokens_per_s"]
                                                      / out["alone"]["tokens_per_s"])
@@ -356,15 +372,17 @@ async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> Non
     print(f"[{shape}] {entry['warm_start']['params'] / 1e6:.0f}M params, warm start {entry['warm_start']}",
           flush=True)
     report()
-    if any(s in args.sides for s in ("alone", "async", "sync")):
-        entry["ours"] = {}
+    entry["ours"] = {}
+    for quantization, sides in ((None, ("alone", "async", "sync")), ("fp8", ("async_fp8",))):
+        if not any(s in args.sides for s in sides):
+            continue
         try:
-            await ours(args, model_dir, report, entry["ours"])
-        except Exception as exc:  # recorded; TRL's sides still run
+            await ours(args, model_dir, report, entry["ours"], quantization)
+        except Exception as exc:  # recorded; the other sides still run
             log.exception("our side failed")
-            entry["ours"]["error"] = f"{type(exc).__name__}: {exc}"
+            entry["ours"]["error" + (f"_{quantization}" if quantization else "")] = f"{type(exc).__name__}: {exc}"
             report()
-        for side in ("alone", "async", "sync"):
+        for side in sides:
             r = entry["ours"].get(side)
             if r:
                 print(f"[{shape}] ours {side}: {describe(r)}", flush=True)

@@ -73,19 +73,24 @@ async def test_the_probe_catches_an_engine_that_kept_an_old_adapter(lora_engine,
     prompt = _prompt(tokenizer)
     published, lost = peft_model(tiny_model_dir, 21), peft_model(tiny_model_dir, 22)
     sync = WeightSync(lora_engine, VersionClock(lora_engine.version), SyncConfig())
+    transport = lora_engine._adapters
+    real_add, sent = transport._port.add, []
+
+    async def recording_add(adapter, contents):
+        sent.append(contents)
+        await real_add(adapter, contents)
+
+    monkeypatch.setattr(transport._port, "add", recording_add)
     await sync.publish(adapter_source(published))
     probe = PublicationProbe(lora_engine, tolerance=TOL, max_tokens=64)
     ids = prompt + (await lora_engine.generate(prompt, SamplingConfig(max_tokens=16), "probe"))[0].token_ids
     await probe.check(lora_engine.version, Expectation(ids, tuple(policy_logprobs(published, ids))))
     assert probe.last_diff is not None and probe.last_diff < TOL
-    # The engine is told to load `lost`, but registers the old directory under the new name: the verl #7495
-    # failure (the publication lands without error; the engine serves other weights).
-    transport = lora_engine._adapters
-    served = transport.current
-    real_add = transport._port.add
+    # The engine is told to load `lost`, but registers the old adapter's tensors under the new name: the verl
+    # #7495 failure (the publication lands without error; the engine serves other weights).
 
-    async def stale_add(adapter):
-        await real_add(type(adapter)(adapter.version, adapter.name, adapter.lora_id, served.path))
+    async def stale_add(adapter, contents):
+        await real_add(adapter, sent[0])
 
     monkeypatch.setattr(transport._port, "add", stale_add)
     await sync.publish(adapter_source(lost))

@@ -15,7 +15,10 @@ from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import LearnerConfig
 from asyncrl.actors.probe import policy_logprobs
 from asyncrl.config import SamplingConfig, SyncConfig
+from asyncrl.engines.lora.server import RemoteAdapterPort
+from asyncrl.engines.lora.transport import ServedAdapter
 from asyncrl.engines.updates import AdapterWeights, WeightUpdate
+from asyncrl.engines.weights import STAGING_PREFIX, staging_root
 from asyncrl.lora import LoraConfig, LoraReference, adapter_state, apply_lora
 from asyncrl.types import FinishReason, PauseMode, Sample
 from asyncrl.versions import VersionClock
@@ -103,6 +106,8 @@ async def swap_across_requests(engine: Any, mode: PauseMode, old: torch.nn.Modul
     # machine (a publication stages first, and requests this short could end meanwhile); then the pause, load
     # and resume a publication does.
     update = await engine.prepare(WeightUpdate(before + 1, adapter_source(new)))
+    # Registered before the pause: only the switch to it is left for the pause.
+    assert await engine._adapters._port.holds(ServedAdapter.of_version(before + 1))
     try:
         long = SamplingConfig(n=2, max_tokens=engine.max_model_len - len(prompt), ignore_eos=True, seed=3)
         task = asyncio.create_task(engine.generate(prompt, long, f"inflight-{mode.value}"))
@@ -134,16 +139,27 @@ async def swap_across_requests(engine: Any, mode: PauseMode, old: torch.nn.Modul
 async def three_modes(engine: Any, models: list[torch.nn.Module], prompt: tuple[int, ...], tol: float,
                       gap: Callable[[list[float]], float] = max) -> None:
     """``models[0]``'s adapter, then three swaps (keep, abort, wait); afterwards the engine holds the last adapter
-    alone: the replaced ones went, with their directories, once no request held them."""
+    alone: the replaced ones went once no request held them. An in-process engine takes every adapter from memory
+    (no directory is ever written); a server's port keeps the directory of the adapter it serves, and only that."""
+    written = _staging_dirs_written()
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(adapter_source(models[0]))
-    paths = [engine._adapters.current.path]
     for mode, (old, new) in zip((PauseMode.KEEP, PauseMode.ABORT, PauseMode.WAIT), zip(models, models[1:])):
         await swap_across_requests(engine, mode, old, new, prompt, tol, gap)
-        paths.append(engine._adapters.current.path)
-    # Replaced adapters are removed at the next load that finds them unheld. A server's request may still count
-    # as held there (its client sees the end after the pause), so one more publication, with nothing in flight,
-    # finds them all unheld.
+    # Replaced adapters are removed at the next publication that finds them unheld. A server's request may still
+    # count as held there (its client sees the end after the pause), so one more publication, with nothing in
+    # flight, finds them all unheld.
     await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(adapter_source(models[-1]))
-    paths.append(engine._adapters.current.path)
-    assert [p.exists() for p in paths] == [False, False, False, False, True]
-    assert list(engine._adapters._dirs) == [engine._adapters.current]
+    port = engine._adapters._port
+    if isinstance(port, RemoteAdapterPort):
+        assert list(port._dirs) == [engine._adapters.current]
+        assert len(written()) == 1 and next(iter(written())) == port._dirs[engine._adapters.current].path
+    else:
+        assert written() == set()
+    assert engine._adapters._registered() == 1
+
+
+def _staging_dirs_written() -> Callable[[], set[Path]]:
+    """The staging directories that exist now and did not before this call, whenever asked."""
+    root = staging_root()
+    before = set(root.glob(f"{STAGING_PREFIX}*"))
+    return lambda: set(root.glob(f"{STAGING_PREFIX}*")) - before

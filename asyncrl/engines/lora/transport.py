@@ -2,55 +2,56 @@
 with vLLM's LoRA support, in this process (``VLLMEngineConfig.lora``) or in a server (``RemoteEngineConfig.lora``).
 
 ``stage`` checks the adapter against the served base model (every adapted module exists, ``A`` is rank x in and
-``B`` out x rank, the rank fits the engine's ``max_rank``, no NaN) and writes it as a PEFT adapter directory in
-shared memory, all before the pause. ``load`` registers it under a new name and id per version
-(``asyncrl-v{version}``): vLLM fixes a request's adapter when the request is submitted, so with a new adapter per
-version every token a request samples comes from one known adapter, and the request's version is that adapter's.
-Requests submitted from then on name the new adapter (``checkout``).
+``B`` out x rank, the rank fits the engine's ``max_rank``, no NaN), then registers it with the engine under a new
+name and id for its version (``asyncrl-v{version}``), all before the pause: a new adapter changes nothing a request
+already runs with, so generation goes on while it travels. The in-process engine takes it from memory (its
+tensors as one buffer through the workers, ``lora.in_process``); a server registers adapter names only through
+``/v1/load_lora_adapter``, which reads a directory, so its port writes one in shared memory (``lora.server``).
+Under the pause, ``load`` only confirms the engine still holds the adapter and makes it current: requests
+submitted from then on name it (``checkout``). vLLM fixes a request's adapter when the request is submitted, so
+with one adapter per version every token a request samples comes from one known adapter, and the request's
+version is that adapter's.
 
 Across the pause, by mode:
 
 - ``abort``: requests in flight end at once with the tokens sampled so far, all from the old adapter;
-- ``wait``: requests in flight finish on the old adapter before the load; none is in flight across it;
+- ``wait``: requests in flight finish on the old adapter before the switch; none is in flight across it;
 - ``keep``: requests in flight are frozen and, after the resume, go on with the adapter they were submitted with
   (the old one) to their end; their tokens carry the old version, and the staleness filter and the importance
   weights treat them as such.
 
-An old adapter is removed from the engine, and its directory deleted, once no request holds it any more.
-A load the engine does not confirm (the new adapter missing from the engine's list afterwards) is refused: the
-engine would otherwise go on serving another version.
+An old adapter is removed from the engine once no request holds it any more; one staged and never made current
+(a publication that failed or was cancelled after staging) is removed too. The engine keeps every registered
+adapter (``max_cpu_loras`` bounds them, and staging refuses a new one beyond it rather than let vLLM evict one a
+request still names). A switch to an adapter the engine no longer lists is refused: the engine would otherwise go
+on serving another version.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 import torch
 from pydantic import Field
 
 from asyncrl.config_base import PositiveInt, config
 from asyncrl.engines.transports.base import Transport
-from asyncrl.engines.updates import UpdateKind, WeightSource, WeightUpdate
-from asyncrl.engines.weights import (ParamSpec, StagedWeights, first_non_finite, make_staging_dir,
-                                     stage_in_thread, StageAbandoned)
+from asyncrl.engines.updates import StagedInEngine, UpdateKind, WeightSource, WeightUpdate
+from asyncrl.engines.weights import ParamSpec, first_non_finite
 from asyncrl.errors import EngineError, WeightUpdateError
 
 if TYPE_CHECKING:
     from asyncrl.lora.config import LoraConfig
 
-__all__ = ["AdapterPort", "AdapterTransport", "LoraServingConfig", "ServedAdapter", "adapter_dir_files"]
+__all__ = ["AdapterContents", "AdapterPort", "AdapterTransport", "LoraServingConfig", "ServedAdapter"]
 
 log = logging.getLogger(__name__)
 
-ADAPTER_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -68,8 +69,9 @@ class LoraServingConfig:
         "adapters one batch may mix: 2 lets requests frozen by a keep pause finish on the old adapter while "
         "new ones start on the new one"))] = 2
     max_cpu_loras: Annotated[PositiveInt, Field(description=(
-        "adapters the engine keeps loaded (an evicted one is loaded again from its directory when a request "
-        "needs it)"))] = 8
+        "adapters the engine keeps registered: the current one, one staged for the next version, and old ones "
+        "that requests frozen by keep pauses still name. Publication refuses to stage beyond it (vLLM would evict "
+        "an adapter a request may still name)"))] = 8
 
     @classmethod
     def holding(cls, rank: int) -> LoraServingConfig:
@@ -87,13 +89,31 @@ class ServedAdapter:
     version: int
     name: str  # asyncrl-v{version}: what a request names (vLLM tells adapters apart by name)
     lora_id: int  # vLLM's integer id, > 0
-    path: Path  # the PEFT adapter directory
+
+    @classmethod
+    def of_version(cls, version: int) -> ServedAdapter:
+        return cls(version, f"asyncrl-v{version}", version + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContents:
+    """What a PEFT adapter directory would hold, in memory: the tensors (on the CPU, in the served dtype, named
+    as in ``adapter_model.safetensors``) and the ``adapter_config.json`` fields."""
+
+    tensors: Mapping[str, torch.Tensor]
+    settings: dict[str, Any]
+
+    def serialise(self) -> bytes:
+        """The tensors as one safetensors buffer (what the in-process workers take)."""
+        from safetensors.torch import save
+
+        return save(dict(self.tensors))
 
 
 class AdapterPort(Protocol):
     """The engine's side: registering and removing adapters (in-process calls, or a server's endpoints)."""
 
-    async def add(self, adapter: ServedAdapter) -> None:
+    async def add(self, adapter: ServedAdapter, contents: AdapterContents) -> None:
         ...
 
     async def remove(self, adapter: ServedAdapter) -> None:
@@ -101,6 +121,10 @@ class AdapterPort(Protocol):
 
     async def holds(self, adapter: ServedAdapter) -> bool:
         """Whether the engine has ``adapter`` registered now."""
+        ...
+
+    async def close(self) -> None:
+        """Free what the port keeps outside the engine (a server's adapter directories)."""
         ...
 
 
@@ -111,17 +135,16 @@ class AdapterTransport(Transport):
     accepts = frozenset({UpdateKind.ADAPTER})
 
     def __init__(self, engine: str, port: AdapterPort, manifest: Mapping[str, ParamSpec], serving: LoraServingConfig,
-                 dtype: torch.dtype, root: Path | None = None) -> None:
+                 dtype: torch.dtype) -> None:
         self._engine = engine
         self._port = port
         self._manifest = manifest
         self._serving = serving
         self._dtype = dtype
-        self._root = root
         self._current: ServedAdapter | None = None  # None: the base model, version 0
-        self._dirs: dict[ServedAdapter, StagedWeights] = {}  # the directory each registered adapter reads
+        self._staged: dict[int, ServedAdapter] = {}  # registered for a version not loaded yet
         self._holders: dict[ServedAdapter, int] = {}  # requests in flight on each adapter
-        self._retired: list[ServedAdapter] = []  # replaced, to remove once no request holds them
+        self._retired: list[ServedAdapter] = []  # replaced or never loaded, to remove once no request holds them
 
     @property
     def current(self) -> ServedAdapter | None:
@@ -141,45 +164,72 @@ class AdapterTransport(Transport):
                 self._holders[adapter] -= 1
 
     async def stage(self, update: WeightUpdate) -> WeightUpdate:
-        staged = await _check_and_write(update.source, self._manifest, self._serving.max_rank, self._dtype,
-                                        self._root)
-        return replace(update, staged=staged)
+        adapter = ServedAdapter.of_version(update.version)
+        # A worker thread, as full-weight updates are checked and staged: the event loop keeps serving. Nothing
+        # it makes outlives a cancelled caller but memory.
+        contents = await asyncio.to_thread(_checked_contents, update.source, self._manifest, self._serving.max_rank,
+                                           self._dtype)
+        await self._make_room()
+        self._staged[update.version] = adapter  # from here on, a failure leaves it to remove (``release``)
+        try:
+            await self._port.add(adapter, contents)
+            held = await self._port.holds(adapter)
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"engine {self._engine}: registering adapter {adapter.name} failed ({exc!r}); "
+                                    f"it serves version {self._version_served()} still") from exc
+        if not held:
+            raise WeightUpdateError(f"engine {self._engine} did not take adapter {adapter.name}; it serves "
+                                    f"version {self._version_served()} still")
+        return replace(update, staged=StagedInEngine(update.version))
 
     async def load(self, update: WeightUpdate) -> None:
-        if update.staged is None:
+        adapter = self._staged.get(update.version)
+        if adapter is None or update.staged != StagedInEngine(update.version):
             raise WeightUpdateError(f"engine {self._engine}: version {update.version} was not prepared")
-        adapter = ServedAdapter(update.version, f"asyncrl-v{update.version}", update.version + 1, update.staged.path)
         try:
-            await self._port.add(adapter)
             held = await self._port.holds(adapter)
         except EngineError:
             raise
         except Exception as exc:
-            raise WeightUpdateError(f"engine {self._engine}: loading adapter {adapter.name} failed ({exc!r}); "
+            raise WeightUpdateError(f"engine {self._engine}: could not confirm adapter {adapter.name} ({exc!r}); "
                                     f"it serves version {self._version_served()} still") from exc
         if not held:
-            raise WeightUpdateError(f"engine {self._engine} did not take adapter {adapter.name}; it would go on "
+            raise WeightUpdateError(f"engine {self._engine} no longer holds adapter {adapter.name}; it would go on "
                                     f"serving version {self._version_served()}")
-        self._dirs[adapter] = update.staged.acquire()
+        del self._staged[update.version]
         if self._current is not None:
             self._retired.append(self._current)
         self._current = adapter
         await self._remove_unheld()
 
     def release(self, update: WeightUpdate) -> None:
-        if update.staged is not None:
-            update.staged.release()
+        adapter = self._staged.pop(update.version, None)
+        if adapter is not None:  # staged and never made current: removed at the next publication
+            self._retired.append(adapter)
 
     async def close(self) -> None:
-        for held in self._dirs.values():
-            held.release()
-        self._dirs.clear()
+        await self._port.close()
 
     def _version_served(self) -> int:
         return 0 if self._current is None else self._current.version
 
+    def _registered(self) -> int:
+        return len(self._staged) + len(self._retired) + (self._current is not None)
+
+    async def _make_room(self) -> None:
+        """Remove what no request holds; refuse to register beyond ``max_cpu_loras``."""
+        await self._remove_unheld()
+        if self._registered() >= self._serving.max_cpu_loras:
+            raise WeightUpdateError(
+                f"engine {self._engine} holds {self._registered()} adapters, requests in flight still naming "
+                f"{len(self._retired)} old ones: one more exceeds LoraServingConfig.max_cpu_loras "
+                f"{self._serving.max_cpu_loras} (raise it, or publish less often than requests run)")
+
     async def _remove_unheld(self) -> None:
-        """Remove the retired adapters no request holds any more (under the pause: nothing new can hold them)."""
+        """Remove the retired adapters no request holds any more (nothing new can hold them: only the current
+        adapter is handed out)."""
         keep = []
         for adapter in self._retired:
             if self._holders.get(adapter, 0) > 0:
@@ -192,7 +242,6 @@ class AdapterTransport(Transport):
             except Exception as exc:  # it only takes a slot until evicted: not worth failing the publication
                 log.warning("engine %s: removing adapter %s failed (%r)", self._engine, adapter.name, exc)
             self._holders.pop(adapter, None)
-            self._dirs.pop(adapter).release()
         self._retired = keep
 
 
@@ -237,36 +286,16 @@ def _split(name: str) -> tuple[str, str]:
                             f"({_PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
 
 
-def adapter_dir_files(adapter: Mapping[str, torch.Tensor], cfg: LoraConfig, dtype: torch.dtype
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """The tensors and ``adapter_config.json`` of a PEFT adapter directory holding ``adapter`` (shaped ``cfg``)."""
-    settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-                "target_modules": sorted(cfg.target_modules), "lora_dropout": cfg.dropout, "bias": "none",
-                "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.items()}
-    return tensors, settings
+def adapter_settings(cfg: LoraConfig) -> dict[str, Any]:
+    """The ``adapter_config.json`` fields of an adapter shaped ``cfg``."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "target_modules": sorted(cfg.target_modules), "lora_dropout": cfg.dropout, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
-async def _check_and_write(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int,
-                           dtype: torch.dtype, root: Path | None) -> StagedWeights:
-    """``check_adapter`` (its NaN pass reads every tensor) and the write, both in a worker thread, as full-weight
-    updates are checked and staged: the event loop keeps serving."""
-    return await stage_in_thread(lambda abandon: _write_adapter_now(adapter, manifest, max_rank, dtype, root, abandon))
-
-
-def _write_adapter_now(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int,
-                       dtype: torch.dtype, root: Path | None, abandon: threading.Event) -> StagedWeights:
-    from safetensors.torch import save_file
-
+def _checked_contents(adapter: WeightSource, manifest: Mapping[str, ParamSpec], max_rank: int, dtype: torch.dtype
+                      ) -> AdapterContents:
+    """``check_adapter`` (its NaN pass reads every tensor) and a copy in the served dtype on the CPU."""
     cfg = check_adapter(adapter, manifest, max_rank)
-    if abandon.is_set():
-        raise StageAbandoned
-    tmp = make_staging_dir(root)
-    try:
-        tensors, settings = adapter_dir_files(adapter.tensors, cfg, dtype)
-        save_file(tensors, str(tmp / ADAPTER_FILE))
-        (tmp / CONFIG_FILE).write_text(json.dumps(settings))
-    except BaseException:
-        StagedWeights(tmp).release()
-        raise
-    return StagedWeights(tmp)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in adapter.tensors.items()}
+    return AdapterContents(tensors, adapter_settings(cfg))

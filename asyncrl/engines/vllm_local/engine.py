@@ -90,7 +90,7 @@ class VLLMEngine(Engine):
         cfg, manifest = self._cfg, read_manifest(self._cfg.model)
         dtype = manifest_dtype(manifest) if cfg.dtype == "auto" else dtype_from_name(cfg.dtype)
         if cfg.lora is not None:
-            port = LocalAdapterPort(lambda: self._llm, self._call)
+            port = LocalAdapterPort(lambda: self._llm, self._call, self._rpc)
             self._adapters = AdapterTransport(self.name, port, manifest, cfg.lora, dtype)
             return self._adapters
         if cfg.uses_cuda_ipc():

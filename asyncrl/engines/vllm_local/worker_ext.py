@@ -23,6 +23,11 @@ freezes the heap first (``exit_fast``).
 
 And it makes the engine's processes die with the program that started it (``starter_watch``).
 
+LoRA adapters arrive from memory (``asyncrl_add_adapter``): the adapter's tensors, serialised in one safetensors
+buffer, travel as the call's argument and become vLLM's ``LoRAModel`` here, registered under the id the requests
+will name. No adapter file exists; vLLM's worker manager would read one only to reload an adapter it evicted,
+which the publishing side never lets happen (``engines.lora.transport``).
+
 Loaded by name in the worker, so keep this module light: nothing from asyncrl but ``exit_fast`` (and
 ``starter_watch``, standard library only, when asked).
 """
@@ -155,6 +160,42 @@ class AsyncRLWorkerExtension:
             self.model_runner.get_model().load_weights(weights)
         torch.cuda.current_stream().synchronize()  # the learner frees ``flat`` as soon as this returns
         return len(packed["layout"])
+
+    def asyncrl_add_adapter(self, name: str, lora_id: int, path: str, settings: dict[str, Any],
+                            data: bytes | str) -> bool:
+        """Register a LoRA adapter from ``data`` (a safetensors buffer; base64 text where the call came as
+        JSON) under ``lora_id``; ``settings`` are its PEFT ``adapter_config.json`` fields, ``path`` what the
+        requests naming it give as their path (vLLM requires one; nothing is read from it). Returns whether
+        the worker's manager took it."""
+        import base64
+
+        from safetensors.torch import load as load_buffer
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        tensors = load_buffer(base64.b64decode(data) if isinstance(data, str) else data)
+        manager = self.model_runner.lora_manager
+
+        def from_memory(request: Any) -> Any:
+            helper = PEFTHelper.from_dict(dict(settings))
+            helper.validate_legal(manager.lora_config)
+            model = manager._adapter_manager.model
+            mapper = getattr(model, "hf_to_vllm_mapper", None)
+            if mapper is not None:  # renames only, as vLLM's own loader does (0.26 and 0.32 name it apart)
+                rename = getattr(mapper, "get_rename_mapper", None) or mapper.get_unstacked_mapper
+                mapper = rename()
+            return manager._lora_model_cls.from_lora_tensors(
+                lora_model_id=request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
+                dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
+                skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+
+        # vLLM's manager loads through ``_load_adapter`` (from a directory); for this one call it loads from
+        # memory instead, and everything else add_adapter does (capacity, activation) stays vLLM's.
+        manager._load_adapter = from_memory
+        try:
+            return bool(manager.add_adapter(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)))
+        finally:
+            del manager._load_adapter
 
     def asyncrl_release_shadows(self) -> None:
         """Free the shadow parameters (before sleeping: memory outside vLLM's pool is not freed by sleep).

@@ -89,8 +89,8 @@ class RemoteVLLMEngine(Engine):
         manifest = read_manifest(self._cfg.model_dir)
         root = Path(self._cfg.staging_dir) if self._cfg.staging_dir else None
         if self._cfg.lora is not None:
-            self._adapters = AdapterTransport(self.name, RemoteAdapterPort(self._api), manifest, self._cfg.lora,
-                                              manifest_dtype(manifest), root)
+            self._adapters = AdapterTransport(self.name, RemoteAdapterPort(self._api, root), manifest,
+                                              self._cfg.lora, manifest_dtype(manifest))
             return self._adapters
         if self._cfg.nccl is not None:
             self._nccl = NcclTransport(self.name, self._api, self._cfg.nccl, manifest)
