@@ -193,17 +193,23 @@ def engine_args(cfg: VLLMEngineConfig) -> Any:
 
 def quantization_args(cfg: VLLMEngineConfig) -> dict[str, Any]:
     """``quantization`` and ``kv_cache_dtype`` as AsyncEngineArgs fields, refused by field name where this vLLM
-    does not know them (whether the platform has kernels for them is vLLM's to say at start-up)."""
+    does not know them. Whether the platform has kernels for them is vLLM's to say at start-up, except FP8
+    weights on vLLM's CPU build: its start fails there with an error that names a kernel's signature, not the
+    cause, so it is refused here instead."""
     import typing
 
     from vllm.config.cache import CacheDType
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.platforms import current_platform
 
     out: dict[str, Any] = {}
     if cfg.quantization is not None:
         if cfg.quantization not in QUANTIZATION_METHODS:
             raise ConfigError("VLLMEngineConfig.quantization", f"{cfg.quantization!r} is not one of vLLM's methods "
                                                                f"{sorted(QUANTIZATION_METHODS)}")
+        if "fp8" in cfg.quantization and current_platform.is_cpu():
+            raise ConfigError("VLLMEngineConfig.quantization", f"{cfg.quantization!r}: vLLM's CPU build has no FP8 "
+                                                               "weight kernels; serve FP8 on a GPU")
         out["quantization"] = cfg.quantization
     if cfg.kv_cache_dtype is not None:
         known = [d for d in typing.get_args(CacheDType) if d != "auto"]
