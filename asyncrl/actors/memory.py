@@ -148,7 +148,7 @@ class MemoryPlan:
 
     def fits(self, groups: Sequence[RolloutGroup], checkpointing: bool | None = None) -> bool:
         p = self.pass_of(groups)
-        within_cap = self.token_cap is None or sum(_tokens(g) for g in groups) <= self.token_cap
+        within_cap = self.token_cap is None or sum(forward_tokens(g) for g in groups) <= self.token_cap
         return within_cap and self.predicted_peak_bytes(p, checkpointing) <= self.budget_bytes
 
     def for_batch(self, groups: Sequence[RolloutGroup]) -> MemoryPlan:
@@ -191,8 +191,8 @@ class MemoryPlan:
         need = self.predicted_peak_bytes(p, ckpt)
         how = "even with gradient checkpointing" if ckpt else "(this model cannot checkpoint its blocks)"
         return MemoryBudgetError(
-            group.group_id, _tokens(group), need, self.budget_bytes,
-            f"group {group.group_id!r} has {_tokens(group)} forward tokens ({len(group.rollouts)} rollouts, the "
+            group.group_id, forward_tokens(group), need, self.budget_bytes,
+            f"group {group.group_id!r} has {forward_tokens(group)} forward tokens ({len(group.rollouts)} rollouts, the "
             f"longest {p.longest}): one pass over it needs {need / GIB:.4g} GiB {how} ({self.static_bytes / GIB:.4g} "
             f"GiB static + {(need - self.static_bytes) / GIB:.4g} GiB for the pass), over the budget of "
             f"{self.budget_bytes / GIB:.4g} GiB")
@@ -219,7 +219,8 @@ def memory_gauges(plan: MemoryPlan, passes: Sequence[Sequence[RolloutGroup]],
     return gauges
 
 
-def _tokens(group: RolloutGroup) -> int:
+def forward_tokens(group: RolloutGroup) -> int:
+    """Tokens a group puts through the forward pass: its prompt once per rollout, plus every completion."""
     return sum(len(group.prompt.token_ids) + len(r.sample.token_ids) for r in group.rollouts)
 
 

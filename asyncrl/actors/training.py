@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from asyncrl.actors.memory import MemoryPlan, memory_gauges, plan_memory, reset_peak
+from asyncrl.actors.memory import MemoryPlan, forward_tokens, memory_gauges, plan_memory, reset_peak
 from asyncrl.actors.probe import policy_logprobs
 from asyncrl.algorithms import varlen
 from asyncrl.algorithms.logprobs import ScoringOptions
@@ -188,11 +188,6 @@ def batch_gauges(batch: Sequence[RolloutGroup], active: int, scored: int,
     }
     gauges["train/adv_abs_mean"] = loss_metrics.get("train/adv_abs_mean", 0.0) * scored / total  # inert: 0
     return gauges
-
-
-def forward_tokens(group: RolloutGroup) -> int:
-    """Tokens a group puts through the forward pass: its prompt once per rollout, plus every completion."""
-    return sum(len(group.prompt.token_ids) + len(r.sample.token_ids) for r in group.rollouts)
 
 
 def chunks(batch: Sequence[RolloutGroup], max_rollouts: int,

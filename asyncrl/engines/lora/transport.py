@@ -171,33 +171,14 @@ class AdapterTransport(Transport):
                                            self._dtype)
         await self._make_room()
         self._staged[update.version] = adapter  # from here on, a failure leaves it to remove (``release``)
-        try:
-            await self._port.add(adapter, contents)
-            held = await self._port.holds(adapter)
-        except (EngineError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise WeightUpdateError(f"engine {self._engine}: registering adapter {adapter.name} failed ({exc!r}); "
-                                    f"it serves version {self._version_served()} still") from exc
-        if not held:
-            raise WeightUpdateError(f"engine {self._engine} did not take adapter {adapter.name}; it serves "
-                                    f"version {self._version_served()} still")
+        await self._confirm(adapter, contents)
         return replace(update, staged=StagedInEngine(update.version))
 
     async def load(self, update: WeightUpdate) -> None:
         adapter = self._staged.get(update.version)
         if adapter is None or update.staged != StagedInEngine(update.version):
             raise WeightUpdateError(f"engine {self._engine}: version {update.version} was not prepared")
-        try:
-            held = await self._port.holds(adapter)
-        except EngineError:
-            raise
-        except Exception as exc:
-            raise WeightUpdateError(f"engine {self._engine}: could not confirm adapter {adapter.name} ({exc!r}); "
-                                    f"it serves version {self._version_served()} still") from exc
-        if not held:
-            raise WeightUpdateError(f"engine {self._engine} no longer holds adapter {adapter.name}; it would go on "
-                                    f"serving version {self._version_served()}")
+        await self._confirm(adapter)
         del self._staged[update.version]
         if self._current is not None:
             self._retired.append(self._current)
@@ -211,6 +192,23 @@ class AdapterTransport(Transport):
 
     async def close(self) -> None:
         await self._port.close()
+
+    async def _confirm(self, adapter: ServedAdapter, contents: AdapterContents | None = None) -> None:
+        """Register ``adapter`` with ``contents`` (None: it was registered before), then check that the engine
+        lists it; a failure of either leaves the served version as it was, and says so."""
+        doing = "registering" if contents is not None else "confirming"
+        try:
+            if contents is not None:
+                await self._port.add(adapter, contents)
+            held = await self._port.holds(adapter)
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"engine {self._engine}: {doing} adapter {adapter.name} failed ({exc!r}); it "
+                                    f"serves version {self._version_served()} still") from exc
+        if not held:
+            raise WeightUpdateError(f"engine {self._engine} does not hold adapter {adapter.name} ({doing}); it "
+                                    f"serves version {self._version_served()} still")
 
     def _version_served(self) -> int:
         return 0 if self._current is None else self._current.version
