@@ -87,6 +87,17 @@ def hardware() -> dict[str, Any]:
     return out
 
 
+def host_id() -> str:
+    """This machine and its first GPU (hostname, GPU UUID): sides measured in separate commands compare only when
+    they ran on the same machine."""
+    name = platform.node()
+    if gpu_name():
+        import torch
+
+        name += f"/{torch.cuda.get_device_properties(0).uuid}"
+    return name
+
+
 def _version(*dists: str) -> str | None:
     for dist in dists:
         try:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAX_L = 1000
+MAX_L = 1000  # the default longest answer (``--max-answer`` raises it up to WORDS)
+WORDS = 4096  # numbers the tokenizer holds as single tokens: the longest answer any run can ask for
 MIN_L = 4
 MEAN_L = 256
 SIGMA = 0.8
@@ -40,7 +41,15 @@ SHAPES = {  # Qwen2 shapes; the vocabulary stays Qwen2's (the lm_head is a large
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936),
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=1536),
+                 num_key_value_heads=1, vocab_size=5120),
+    # Planted policies (``bench.gpu.planted``): untied heads, built from tensors rather than warm-started.
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, tie_word_embeddings=False),
+    "llama3.1-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5,
+                        tie_word_embeddings=False),
+    "tiny-untied": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=5120, tie_word_embeddings=False),
 }
 
 
@@ -71,12 +80,14 @@ class Problem:
         return "".join(f" {number(k)}" for k in range(self.length - 1, -1, -1))
 
 
-def problems(seed: int, count: int, *, max_len: int = MAX_L, prompt_range: tuple[int, int] = (100, 300)) -> list[
-        Problem]:
-    """``count`` seeded problems. ``max_len`` < ``MAX_L`` rescales the lognormal (CPU smoke runs)."""
+def problems(seed: int, count: int, *, max_len: int = MAX_L, prompt_range: tuple[int, int] = (100, 300),
+             mean_len: float | None = None) -> list[Problem]:
+    """``count`` seeded problems, answer lengths lognormal of mean ``mean_len`` clipped to ``max_len``. Without
+    ``mean_len`` the mean scales with ``max_len`` (``MEAN_L`` at ``MAX_L``: CPU smoke runs shrink both)."""
+    if not MIN_L <= max_len <= WORDS:
+        raise ValueError(f"max_len must lie in [{MIN_L}, {WORDS}] (the numbers the tokenizer holds), got {max_len}")
     rng = random.Random(seed)
-    scale = max_len / MAX_L
-    mu = math.log(MEAN_L * scale) - SIGMA ** 2 / 2
+    mu = math.log(mean_len or MEAN_L * max_len / MAX_L) - SIGMA ** 2 / 2
     out = []
     for _ in range(count):
         length = min(max_len, max(MIN_L, round(rng.lognormvariate(mu, SIGMA))))
@@ -110,7 +121,7 @@ def build_tokenizer(out: Path) -> int:
     chat template that renders message contents as they are (TRL's async trainer needs one)."""
     from asyncrl.testing.tiny import build_tokenizer as train_bpe
 
-    words = [*INSTRUCTION, *(number(k) for k in range(MAX_L + 1)), *(filler(i) for i in range(FILLER))]
+    words = [*INSTRUCTION, *(number(k) for k in range(WORDS + 1)), *(filler(i) for i in range(FILLER))]
     corpus = [f"{FIRST} " + " ".join(words)] * 4  # each word seen after a space: one merge chain per word
     size = train_bpe(corpus, out, vocab_size=8192)
     config = out / "tokenizer_config.json"
@@ -126,7 +137,7 @@ def check_tokenizer(model_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     sample = problems(0, 1, max_len=60)[0]
-    text = sample.prompt + sample.answer
+    text = sample.prompt + sample.answer + "".join(f" {number(k)}" for k in range(0, WORDS + 1, 97))
     ids = tok(text, add_special_tokens=False).input_ids
     if len(ids) != len(text.split()) or tok.decode(ids) != text:
         raise RuntimeError(f"{model_dir}: task words are not single tokens ({len(ids)} ids for "

@@ -4,8 +4,9 @@ into each (the learner's bf16 weights, CUDA IPC, KEEP mode). Writes ``fp8_<gpu>.
 
     python -m bench.gpu.fp8 --shape qwen2-1.5b
 
-The model is the countdown workload's randomly initialised Qwen2 shape (``bench.gpu.countdown build``): decode
-speed depends on the shape, not on what the weights learned. The precisions alternate ``--rounds`` times, each
+The model is the countdown workload's randomly initialised Qwen2 shape (``bench.gpu.countdown build``), or its
+planted policy for the 7-8B shapes (``bench.gpu.planted``): decode speed depends on the shape, not on what the
+weights learned. The precisions alternate ``--rounds`` times, each
 round starting both engines afresh, so drift on the host (clocks, other tenants) falls on both alike.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Result, parser
+from bench.gpu import countdown
 
 PRECISIONS = {"bf16": None, "fp8": "fp8"}  # name -> VLLMEngineConfig.quantization
 
@@ -84,8 +86,10 @@ async def run(args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fp8-bench-") as tmp:
         model_dir = Path(tmp) / "model"
         # Built in its own process: whatever the build leaves on the GPU goes with it, before an engine starts.
-        subprocess.run([sys.executable, "-m", "bench.gpu.countdown", "build", str(model_dir), "--shape", args.shape],
-                       check=True)
+        # Shapes with an untied head (7-8B) are planted: the same tensors, drawn on the device, written faster.
+        planted = not countdown.SHAPES[args.shape].get("tie_word_embeddings", True)
+        build = ["bench.gpu.planted", str(model_dir)] if planted else ["bench.gpu.countdown", "build", str(model_dir)]
+        subprocess.run([sys.executable, "-m", *build, "--shape", args.shape], check=True)
         learner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):

@@ -23,22 +23,6 @@ esac
 TRL_WHEELS=${TRL_WHEELS:-.cache/gpu-trl}
 [ -d /tmp/trl-site ] || for w in "$TRL_WHEELS"/*.whl; do "$PY" -m zipfile -e "$w" /tmp/trl-site; done
 LOG="$OUT/run.log"; T0=$SECONDS
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
-run() {  # run NAME MIN_S CMD...: in its own process group, under a limit of what is left (less a margin);
-  # at the limit, or once it is done, the whole group goes (engines, servers and TRL runs it started included)
-  local name=$1 min=$2; shift 2; local limit=$(( $(left) - 15 )) t=$SECONDS
-  if [ "$limit" -lt "$min" ]; then echo "$name skipped: ${limit}s left, needs ${min}s" | tee -a "$OUT/$SUMMARY"; return; fi
-  echo "===== $name (limit ${limit}s): $*" >> "$LOG"
-  setsid "$@" >> "$LOG" 2>&1 &
-  local pid=$!
-  ( sleep "$limit" & s=$!; trap 'kill $s 2>/dev/null; exit' TERM; wait $s
-    kill -TERM -- "-$pid" 2>/dev/null; sleep 10; kill -KILL -- "-$pid" 2>/dev/null ) &
-  local watchdog=$!
-  wait "$pid"; local rc=$?
-  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
-  kill -KILL -- "-$pid" 2>/dev/null
-  echo "$name rc=$rc $((SECONDS - t))s" | tee -a "$OUT/$SUMMARY"
-}
 # WORKLOAD_ARGS: more flags for every workload step (e.g. "--steps 24 --max-staleness 4").
 read -r -a EXTRA <<< "${WORKLOAD_ARGS:-}"
 WL=(-m bench.gpu.workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site "${EXTRA[@]}")

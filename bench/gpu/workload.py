@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -61,13 +62,16 @@ from bench import common
 from bench.gpu import countdown
 from bench.gpu.memory import MemoryWatch, free_gpu, watch
 from bench.gpu.workload_rates import describe, rates, summarise
-from bench.gpu.workload_task import max_model_len, prepare_model, task_prompts
+from bench.gpu.mfu import FlopCount
+from bench.gpu.workload_task import add_task_args, max_model_len, prepare_model, task_prompts
 from bench.peers import workload_trl
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
-OPTIONAL_SIDES = ("async_fp8",)  # run only when named in --sides
+OPTIONAL_SIDES = ("async_fp8", "async_lora", "sync_lora", "trl_lora")  # run only when named in --sides
+# Our sides by engine: each variant starts its own engine (full weights, FP8 weights, LoRA serving).
+VARIANTS = {"": ("alone", "async", "sync"), "fp8": ("async",), "lora": ("async", "sync")}
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150,
-                "async_fp8": 150}
+                "async_fp8": 150, "async_lora": 150, "sync_lora": 90, "trl_lora": 240}
 log = logging.getLogger("bench.gpu.workload")
 
 
@@ -108,11 +112,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-timeout", type=int, default=480)
     p.add_argument("--deadline-s", type=float, default=0, help="skip sides that would end past this (0: none)")
     p.add_argument("--tag", default="", help="appended to the result file's name (gpu_workload_h200_TAG.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the result file of the same name: its sides are kept, not run again (a run too "
+                        "long for one command goes on in the next, on the same machine: each side records it)")
+    p.add_argument("--learner-dtype", default="float32", help="the learner's weights (full fine-tuning)")
+    p.add_argument("--optimizer", default="adamw", help="LearnerConfig.optimizer (adamw_bf16 for bf16 weights)")
+    p.add_argument("--memory-budget-gib", type=float, default=None, help="LearnerConfig.memory_budget_gib")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-alpha", type=int, default=64)
+    p.add_argument("--lora-lr", type=float, default=2e-5, help="the adapter's learning rate (LoRA sides)")
+    p.add_argument("--lora-base-dtype", default="bfloat16", help="the frozen base's dtype on the LoRA sides")
+    add_task_args(p)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: prove the code paths run")
     args = p.parse_args(argv)
-    if args.cpu_smoke:
-        args.shapes, args.steps, args.skip_steps, args.batch_groups, args.n = "tiny", 2, 1, 2, 4
+    if args.cpu_smoke:  # tiny shapes only: "tiny" (warm-started) or "tiny-untied" (planted)
+        args.shapes = ",".join(s for s in args.shapes.split(",") if s.startswith("tiny")) or "tiny"
+        args.steps, args.skip_steps, args.batch_groups, args.n = 2, 1, 2, 4
         args.max_tokens, args.kv_cache_gib, args.max_num_seqs, args.lr, args.warm_lr = 48, 1.0, 16, 1e-4, 1e-3
+        args.learner_dtype = args.lora_base_dtype = "float32"  # the CPU engine's precision
     args.sides = args.sides.split(",") if args.sides else list(SIDES[args.layout])
     return args
 
@@ -133,7 +150,8 @@ def pipeline_config(args: argparse.Namespace, synchronous: bool, lr: float | Non
         learner=asyncrl.LearnerConfig(batch_groups=b, lr=lr or args.lr, micro_batch_rollouts=args.n,
                                       skip_inert_groups=False, autocast=None if args.cpu_smoke else "bfloat16",
                                       sync=asyncrl.SyncConfig(mode="keep", overlap=not synchronous),
-                                      **learner_speed_options(args)),
+                                      memory_budget_gib=args.memory_budget_gib, **learner_speed_options(args),
+                                      **({"optimizer": args.optimizer} if args.optimizer != "adamw" else {})),
     )
 
 
@@ -210,7 +228,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
-    model = common.load_learner(model_dir, dtype="float32")
+    model = common.load_learner(model_dir, dtype=args.learner_dtype if lora is None else args.lora_base_dtype)
     if lora is not None:
         from asyncrl.lora import apply_lora
 
@@ -225,18 +243,20 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                                                 correction=args.correction))
     per_step = args.batch_groups * args.n
     marks, tokens, rewards = [], [], []
-    mismatch: dict[str, list[float]] = {"kl": [], "cut_frac": []}  # at equal versions: precision, not staleness
+    series: dict[str, list[float]] = {k: [] for k in PER_STEP}
     t0 = time.perf_counter()
 
     def hook(step: int, m: dict[str, float]) -> None:
         marks.append(time.perf_counter() - t0)
         tokens.append(m.get("train/completion_len_mean", 0.0) * per_step)
         rewards.append(m.get("train/reward_mean", float("nan")))
-        for key in mismatch:
-            mismatch[key].append(m.get(f"loss/mismatch_{key}", float("nan")))
+        for key, metric in PER_STEP.items():
+            series[key].append(m.get(metric, float("nan")))
         print(f"step {step} ends at {marks[-1]:.1f}s", flush=True)  # a run cut short still shows its pace
 
     pipe.learner.hooks.append(hook)
+    flops = FlopCount(model, lora=lora is not None)
+    pipe.learner.recorder = flops  # the workload keeps no rollout log: the recorder slot is free
     counters = getattr(engine, "sleep_counters", None)
     before = (counters.sleep_s, counters.wake_s) if counters else (0.0, 0.0)
     with memory.watching(), learner_memory:
@@ -244,8 +264,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     wall = time.perf_counter() - t0
     pauses = [t.total_s for t in pipe.learner.weight_sync.history]
     out = rates(marks, per_step, tokens, wall, args.skip_steps)
-    out.update(mode="sync" if synchronous else "async", rewards=rewards, mismatch_kl=mismatch["kl"],
-               mismatch_cut_frac=mismatch["cut_frac"], behaviour_precision=engine.behaviour_precision.describe(),
+    out.update(mode="sync" if synchronous else "async", rewards=rewards, **series, **flops.report(result.train_s),
+               host=common.host_id(), behaviour_precision=engine.behaviour_precision.describe(),
                tokens_generated=result.tokens_generated,
                generated_tokens_per_s=result.tokens_generated / wall, learner_train_s=result.train_s,
                gen_s=result.gen_s, sync_paused_s=result.sync_s, sleep_s=result.sleep_s, dropped=result.dropped,
@@ -261,6 +281,13 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     del model, pipe
     free_gpu()
     return out
+
+
+# Per-step series a side records, from the learner's metrics: the mismatch at equal versions (precision, not
+# staleness) and the memory plan's prediction beside the measured peak.
+PER_STEP = {"mismatch_kl": "loss/mismatch_kl", "mismatch_cut_frac": "loss/mismatch_cut_frac",
+            "memory_predicted_gib": "learner/memory_predicted_gib", "memory_peak_gib": "learner/memory_peak_gib",
+            "learner_step_s": "learner/train_s"}
 
 
 def token_books(pipe: Any, result: Any) -> dict[str, Any]:
@@ -295,44 +322,53 @@ async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]
     return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any],
-               quantization: str | None = None) -> None:
-    """Our sides on one engine (started once), into ``out``: ``alone`` first where asked, then ``async``, then
-    ``sync``; with ``quantization``, an engine serving the checkpoint so, and ``async`` alone (``async_fp8``)."""
+async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any], variant: str) -> None:
+    """Our sides of ``variant`` (``VARIANTS``) on one engine, started once, into ``out``: ``alone`` first where
+    asked, then ``async``, then ``sync``. ``fp8``: an engine serving the checkpoint in FP8 (``async_fp8``);
+    ``lora``: an engine serving adapters, and a learner training one on a frozen base (``async_lora``,
+    ``sync_lora``: the engine never sleeps)."""
     from transformers import AutoTokenizer
 
     import asyncrl
     from asyncrl.engines.vllm_local import VLLMEngine
+    from asyncrl.lora import LoraConfig
 
-    suffix = f"_{quantization}" if quantization else ""
+    suffix = f"_{variant}" if variant else ""
+    todo = [s for s in VARIANTS[variant] if s + suffix in args.sides and s + suffix not in out]
+    if not todo:
+        return
+    lora = LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha) if variant == "lora" else None
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = task_prompts(args, tok, args.steps * args.batch_groups * 3)  # room for groups dropped as stale
     t0 = time.perf_counter()
     with engine_devices(args):
-        engine = await VLLMEngine.start(engine_config(args, model_dir, quantization=quantization))
+        engine = await VLLMEngine.start(engine_config(args, model_dir, lora=lora,
+                                                      quantization="fp8" if variant == "fp8" else None))
     out["engine_start_s" + suffix] = time.perf_counter() - t0
+    print(f"engine{suffix} up in {out['engine_start_s' + suffix]:.0f}s", flush=True)
     try:
         t1 = time.perf_counter()
-        probe = prompts[-1]  # the first request pays one-off costs; its completions show the warm-started policy
+        probe = prompts[-1]  # the first request pays one-off costs; its completions show the starting policy
         first = await engine.generate(probe.token_ids, asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens),
                                       "warm-up")
         out["first_request" + suffix] = {"s": time.perf_counter() - t1, "expected_length": probe.answer,
                                          "lengths": [len(s.token_ids) for s in first],
                                          "rewards": [countdown.reward(s.text, probe.answer) for s in first]}
         report()
-        for side in ("async",) if quantization else ("alone", "async", "sync"):
+        for side in todo:
             key = side + suffix
-            if key in args.sides and report.fits(key):
-                memory = watch(args)
-                if side == "alone":
-                    out[key] = await engine_alone(args, engine, prompts)
-                    await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
-                else:
-                    out[key] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory)
-                if "alone" in out and "async" in out:
-                    out["generation_limit_ratio"] = (out["async"]["generated_tokens_per_s"]
-                                                     / out["alone"]["tokens_per_s"])
-                report()
+            if not report.fits(key):
+                continue
+            memory = watch(args)
+            if side == "alone":
+                out[key] = await engine_alone(args, engine, prompts)
+                await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
+            else:
+                out[key] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory, lora=lora,
+                                         lr=args.lora_lr if lora else None)
+            if "alone" in out and "async" in out:
+                out["generation_limit_ratio"] = out["async"]["generated_tokens_per_s"] / out["alone"]["tokens_per_s"]
+            report()
     finally:
         await engine.close()
         free_gpu()
@@ -342,7 +378,9 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
 
 
 class Report:
-    """Writes the result file after every side; says whether a side still fits before ``--deadline-s``."""
+    """Writes the result file after every side; says whether a side still fits before ``--deadline-s``. With
+    ``--resume``, starts from the file of the same name: its sides stay, and its header is kept under
+    ``continues``."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str] | None) -> None:
         self.args, self.t0 = args, time.perf_counter()
@@ -350,6 +388,14 @@ class Report:
         self.results: dict[str, Any] = {}
         self.current: dict[str, Any] = {}
         self.skipped: list[str] = []
+        suffix = "x2" if args.layout == "2gpu" and common.device_suffix() != "cpu" else ""
+        self.suffix = suffix + (f"_{args.tag}" if args.tag else "")
+        earlier = self.result.path(self.suffix)
+        if args.resume and earlier.exists():
+            doc = json.loads(earlier.read_text())
+            self.results = {k: v for k, v in doc["results"].items() if k != "summary"}
+            keep = ("date", "command", "hardware", "total_s", "continues")
+            self.result.doc["continues"] = [{k: doc.get(k) for k in keep}]
 
     def fits(self, side: str) -> bool:
         if not self.args.deadline_s or time.perf_counter() - self.t0 + SIDE_NEEDS_S[side] < self.args.deadline_s:
@@ -360,34 +406,29 @@ class Report:
 
     def __call__(self, _partial: Any = None) -> None:
         summary = summarise(self.results)
-        suffix = "x2" if self.args.layout == "2gpu" and common.device_suffix() != "cpu" else ""
-        suffix += f"_{self.args.tag}" if self.args.tag else ""
-        self.result.write({"summary": summary, **self.results}, suffix=suffix, skipped=self.skipped)
+        self.result.write({"summary": summary, **self.results}, suffix=self.suffix, skipped=self.skipped)
 
 
 async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> None:
-    entry: dict[str, Any] = {}
-    report.results[shape] = entry
-    model_dir, entry["warm_start"] = prepare_model(args, shape)
-    print(f"[{shape}] {entry['warm_start']['params'] / 1e6:.0f}M params, warm start {entry['warm_start']}",
-          flush=True)
+    entry: dict[str, Any] = report.results.setdefault(shape, {})
+    model_dir, warm = prepare_model(args, shape)
+    entry.setdefault("warm_start", warm)
+    print(f"[{shape}] {warm['params'] / 1e6:.0f}M params, warm start {warm}", flush=True)
     report()
-    entry["ours"] = {}
-    for quantization, sides in ((None, ("alone", "async", "sync")), ("fp8", ("async_fp8",))):
-        if not any(s in args.sides for s in sides):
-            continue
+    mine = entry.setdefault("ours", {})
+    for variant, sides in VARIANTS.items():
         try:
-            await ours(args, model_dir, report, entry["ours"], quantization)
+            await ours(args, model_dir, report, mine, variant)
         except Exception as exc:  # recorded; the other sides still run
             log.exception("our side failed")
-            entry["ours"]["error" + (f"_{quantization}" if quantization else "")] = f"{type(exc).__name__}: {exc}"
+            mine["error" + (f"_{variant}" if variant else "")] = f"{type(exc).__name__}: {exc}"
             report()
         for side in sides:
-            r = entry["ours"].get(side)
+            r = mine.get(side + (f"_{variant}" if variant else ""))
             if r:
-                print(f"[{shape}] ours {side}: {describe(r)}", flush=True)
-    for side in ("trl", "trl_sleep", "trl_async"):
-        if side in args.sides and report.fits(side):
+                print(f"[{shape}] ours {side}{'_' + variant if variant else ''}: {describe(r)}", flush=True)
+    for side in ("trl", "trl_sleep", "trl_async", "trl_lora"):
+        if side in args.sides and side not in entry and report.fits(side):
             try:
                 entry[side] = await workload_trl.run_side(args, model_dir, side)
             except Exception as exc:

@@ -28,7 +28,8 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     does not show."""
     out: dict[str, Any] = {}
     pairs = [("async", "trl"), ("async", "trl_sleep"), ("sync", "trl"), ("sync", "trl_sleep"),
-             ("async", "trl_async"), ("async", "sync"), ("async_fp8", "async")]
+             ("async", "trl_async"), ("async", "sync"), ("async_fp8", "async"), ("async_lora", "sync_lora"),
+             ("async_lora", "trl_lora"), ("sync_lora", "trl_lora")]
     for shape, r in results.items():
         if shape == "summary" or not isinstance(r, dict):  # a result file's own summary: not a shape
             continue

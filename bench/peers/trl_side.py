@@ -8,7 +8,8 @@ answers, n, batch_groups, max_tokens, steps, lr, seed, fixed_length (sample exac
 ``min_new_tokens``), reward ("exact", "prefix", or "countdown": ``bench.gpu.countdown.reward`` against the answers
 as lengths), use_vllm, threads, bf16; optional (``bench.gpu.workload``): micro_batch (rollouts per forward /
 backward; the rest of a step is gradient accumulation), vllm_max_model_length, vllm_gpu_memory_utilization,
-vllm_sleep (``vllm_enable_sleep_mode``), save_model. Trains with ``GRPOTrainer`` as a user would (transformers
+vllm_sleep (``vllm_enable_sleep_mode``), save_model, lora (rank, alpha, target_modules: PEFT LoRA on a bf16
+base). Trains with ``GRPOTrainer`` as a user would (transformers
 generation unless use_vllm), saves the model into out_dir (unless save_model is false) and writes RESULT:
 init_s, train_s, gen_s (time inside ``model.generate``), samples, rewards per step, completion lengths,
 step_end_s (seconds from the start of training to the end of each step), or ``error`` if TRL failed.
@@ -142,7 +143,9 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
         torch.set_num_threads(spec["threads"])
     result["torch_threads"] = torch.get_num_threads()
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    lora = spec.get("lora")  # a LoRA run keeps its frozen base in bf16 (as ours does): PEFT's adapter is float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"],
+                                                 dtype=torch.bfloat16 if lora and spec.get("bf16") else torch.float32)
     gen_s = [0.0]
     generate = model.generate
 
@@ -157,7 +160,7 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]),
                           args=grpo_config(spec, use_cpu=not torch.cuda.is_available()), train_dataset=data,
-                          processing_class=tok, callbacks=[step_clock(result)])
+                          processing_class=tok, callbacks=[step_clock(result)], peft_config=peft_config(lora))
     result["init_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     result["train_start"] = t1
@@ -176,6 +179,16 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     if spec.get("save_model", True):
         trainer.model.save_pretrained(str(Path(spec["out_dir"]) / "model"))
         tok.save_pretrained(str(Path(spec["out_dir"]) / "model"))
+
+
+def peft_config(lora: dict[str, Any] | None) -> Any:
+    """PEFT's adapter settings for a LoRA run (rank, alpha, target modules, as ours), else None."""
+    if not lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=list(lora["target_modules"]),
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
 def step_clock(result: dict[str, Any]) -> Any:

@@ -45,7 +45,8 @@ def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict[str, Any]:
-    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``), its rates and peak GPU memory added."""
+    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``, ``trl_lora``), its rates and peak GPU memory
+    added."""
     from bench.peers import trl_async_side, trl_side
 
     memory = watch(args)
@@ -64,8 +65,15 @@ async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict
                                               server_args=server)
         else:
             spec["vllm_sleep"] = side == "trl_sleep"
+            if side == "trl_lora":  # PEFT LoRA of ours's rank, alpha and targets, at the adapter's learning rate
+                from asyncrl.lora import LoraConfig
+
+                targets = LoraConfig().target_modules
+                spec |= {"lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "target_modules": targets},
+                         "lr": args.lora_lr}
             res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
                                           paths=trl_paths(args), timeout=args.trl_timeout)
     res = trl_rates(args, res)
     res["gpu_peak_used_gib"] = list(memory.peak)
+    res["host"] = common.host_id()
     return res

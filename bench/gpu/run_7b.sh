@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 38's and 39's 7B measurements on one GPU, under a time budget (default 570 s: a command ends within 10
+# minutes). The policy is the planted Qwen2.5-7B shape (bench.gpu.planted), answers lognormal of mean 512 up to
+# 4,096 tokens. Steps, in the order given; a step left out of one command goes on in the next (--resume: sides
+# already in the result file are kept, and each records the machine it ran on):
+#   lora    ours, async and sync, training a LoRA adapter (rank 32) on the frozen bf16 base: gpu_workload_<gpu>_q7.json
+#   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
+#   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
+#           $FULL_STEPS steps (default 24): gpu_workload_<gpu>_q7_full.json
+#   fullsync  ours, sync (the engine sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8)
+#   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
+# PEFT's and TRL's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh) are unpacked under /tmp. Results
+# land in $OUT: summary.txt, run.log and the JSON files.
+# Usage, from the repository root (host setup sourced first):  bash bench/gpu/run_7b.sh [BUDGET_S] [STEP...]
+BUDGET=${1:-570}; shift $(( $# < 1 ? $# : 1 ))
+STEPS=${*:-lora trl}
+source bench/gpu/common.sh
+for pkg in peft trl; do
+  [ -d "/tmp/$pkg-site" ] || for w in ".cache/gpu-$pkg"/*.whl; do "$PY" -m zipfile -e "$w" "/tmp/$pkg-site"; done
+done
+export PYTHONPATH="$PYTHONPATH:/tmp/peft-site" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+LOG="$OUT/run.log"; T0=$SECONDS
+# The engine's share for TRL's colocated vLLM: its weights (14.2 GiB), the same KV cache as ours, 4 GiB more.
+TRL_SHARE=$("$PY" -c "import torch; print(round((14.2 + 10 + 4) * 2**30 / torch.cuda.mem_get_info()[1], 3))")
+W7=(-m bench.gpu.workload --out "$OUT" --shapes qwen2.5-7b --max-answer 4096 --mean-answer 512 --max-tokens 4100
+    --kv-cache-gib 10 --micro-batch-tokens 32768 --memory-budget-gib 40 --no-engine-compile --resume
+    --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
+deadline() { echo $(( $(left) - 25 )); }
+for s in $STEPS; do case $s in
+  lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora,sync_lora --tag q7 --deadline-s "$(deadline)";;
+  trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
+      --deadline-s "$(deadline)";;
+  full) run full 300 "$PY" "${W7[@]}" --sides async --tag q7_full --steps "${FULL_STEPS:-24}" \
+      --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
+  fullsync) run fullsync 300 "$PY" "${W7[@]}" --sides sync --tag q7_full --steps "${SYNC_STEPS:-8}" \
+      --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
+  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$OUT" --shape qwen2.5-7b --kv-cache-gib 10;;
+  *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
+esac; done
+grep -hE "^\[|summary:|step [0-9]+ ends|engine.* up|passed|failed|Error|skipping" "$LOG" | grep -v WARNING | tail -60
