@@ -123,7 +123,7 @@ def plant(out: Path, shape: str, *, token_error: float = 1e-3, seed: int = 0, de
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    if countdown.SHAPES[shape].get("tie_word_embeddings", False):
+    if countdown.SHAPES[shape].get("tie_word_embeddings", True):  # the warm-started shapes tie theirs
         raise ValueError(f"{shape} ties its head to its embedding: a planted table needs them apart")
     t0 = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +171,7 @@ def write_shards(out: Path, tensors: dict[str, Any], save_file: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--shape", choices=[s for s, v in countdown.SHAPES.items() if not v.get("tie_word_embeddings")],
+    p.add_argument("--shape", choices=[s for s, v in countdown.SHAPES.items() if v.get("tie_word_embeddings") is False],
                    default="qwen2.5-7b")
     p.add_argument("--token-error", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)

@@ -69,3 +69,70 @@ def test_trl_kernel_stand_in_matches_dense_causal_attention():
         allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(diagonal=(k1 - k0) - (q1 - q0))
         ref = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
         assert torch.allclose(out[q0:q1], ref, atol=1e-5), "bottom-right causal, grouped KV heads"
+
+
+def test_countdown_answers_reach_4096_tokens_at_a_chosen_mean():
+    lengths = [p.length for p in countdown.problems(1, 3000, max_len=countdown.WORDS, mean_len=512)]
+    assert 470 < statistics.mean(lengths) < 550 and max(lengths) > 2000 and max(lengths) <= countdown.WORDS
+    with pytest.raises(ValueError, match="max_len"):
+        countdown.problems(0, 1, max_len=countdown.WORDS + 1)
+
+
+@pytest.fixture(scope="module")
+def planted_tiny(tmp_path_factory):
+    from bench.gpu import planted
+
+    out = tmp_path_factory.mktemp("planted")
+    info = planted.plant(out, "tiny-untied", token_error=0.01, device="cpu")
+    return out, info
+
+
+def test_a_planted_policy_counts_down_with_the_error_it_was_given(planted_tiny):
+    """Teacher-forced over whole answers: the right token is the argmax everywhere, its probability is about
+    1 - token_error, and ids beyond the tokenizer are never sampled."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, info = planted_tiny
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert info["params"] == sum(p.numel() for p in model.parameters())
+    right, outside = [], []
+    for p in countdown.problems(3, 6, max_len=300):
+        prompt = tok(p.prompt, add_special_tokens=False).input_ids
+        ids = prompt + tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float().softmax(-1)
+        targets = torch.tensor(ids[len(prompt):])
+        assert torch.equal(probs.argmax(-1), targets), "greedy decoding is the countdown, then end-of-sequence"
+        right.append(probs.gather(1, targets[:, None]).mean().item())
+        outside.append(probs[:, len(tok):].sum(-1).max().item())
+    error = 1 - statistics.mean(right)
+    assert 0.005 < error < 0.02, f"per-token error {error:.4f}, planted at 0.01"
+    assert max(outside) < 1e-9
+
+
+def test_planting_refuses_a_tied_head_and_an_impossible_error(tmp_path):
+    from bench.gpu import planted
+
+    with pytest.raises(ValueError, match="ties its head"):
+        planted.plant(tmp_path, "tiny", device="cpu")
+    with pytest.raises(ValueError, match="token_error"):
+        planted.head_scale(128, 5000, 4000, 0.0)
+    assert planted.head_scale(3584, 5000, 4097, 1e-4) > planted.head_scale(3584, 5000, 4097, 1e-2)
+
+
+def test_flop_count_follows_the_shape_and_the_kind_of_training(planted_tiny):
+    from transformers import AutoModelForCausalLM
+
+    from bench import common
+    from bench.gpu.mfu import FlopCount
+
+    model = AutoModelForCausalLM.from_pretrained(str(planted_tiny[0]), dtype=torch.float32)
+    groups = common.synthetic_groups(2, 2, 10, (5, 5), model.config.vocab_size, 0)
+    cfg = model.config
+    body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2)
+    s, c = 15, 5  # each sequence: a 10-token prompt and 5 completion tokens
+    head, attention = cfg.hidden_size * cfg.vocab_size, cfg.num_hidden_layers * cfg.hidden_size
+    forward = 2 * body * s + 2 * head * c + 2 * attention * s * s
+    assert FlopCount(model, lora=False).batch_flops(groups) == pytest.approx(3 * 4 * forward)
+    assert FlopCount(model, lora=True).batch_flops(groups) == pytest.approx(2 * 4 * forward)
