@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -166,6 +166,12 @@ class LearnerConfig:
     batch_groups: Annotated[PositiveInt, Field(description="rollout groups per optimiser step")] = 4
     lr: Annotated[PositiveFloat, Field(description="AdamW learning rate")] = 1e-5
     weight_decay: Annotated[NonNegativeFloat, Field(description="AdamW weight decay")] = 0.0
+    optimizer: Annotated[Literal["adamw", "adamw_bf16"], Field(description=(
+        "what ``asyncrl.recipes.default_optimizer`` builds. \"adamw\": torch's AdamW (fused on a GPU); over "
+        "bfloat16 weights it loses every update below half a bfloat16 spacing. \"adamw_bf16\": AdamW with states in "
+        "the parameters' dtype and stochastic rounding, for bf16 weights (``asyncrl.actors.optimizer."
+        "StochasticAdamW``): 8 bytes a parameter with its gradient, and updates far below a spacing (lr 1e-6) still "
+        "move the weights on average. Float32 parameters get the exact update with either"))] = "adamw"
     max_grad_norm: Annotated[float, Field(strict=True, description="gradient clipping (<= 0 disables)")] = 1.0
     micro_batch_rollouts: Annotated[PositiveInt, Field(description=(
         "rollouts per forward/backward pass (memory bound)"))] = 64

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterable, Iterable
 import torch
 
 from asyncrl.actors.learner import Learner
+from asyncrl.actors.optimizer import StochasticAdamW
 from asyncrl.actors.producer import Producer
 from asyncrl.actors.training import TrainingBackend
 from asyncrl.actors.weight_sync import WeightSync
@@ -166,11 +167,15 @@ def learner_dtype(model: torch.nn.Module | None, config: LearnerConfig) -> str |
 
 
 def default_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
-    """AdamW at the learner's ``lr`` and ``weight_decay`` over the parameters that require grad (all of them in
-    full fine-tuning; the adapter's alone with LoRA, so the frozen base holds no optimiser state); on a GPU its
-    fused kernel, one launch per step for all parameters rather than a handful per parameter group and operation."""
+    """The optimiser ``config.optimizer`` names, at the learner's ``lr`` and ``weight_decay``, over the parameters
+    that require grad (all of them in full fine-tuning; the adapter's alone with LoRA, so the frozen base holds no
+    optimiser state). "adamw": torch's AdamW, on a GPU its fused kernel, one launch per step for all parameters
+    rather than a handful per parameter group and operation. "adamw_bf16": ``StochasticAdamW``, seeded from
+    torch's seed (``torch.manual_seed``), so a seeded run reproduces its rounding too."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameter that requires grad: nothing to train")
+    if config.optimizer == "adamw_bf16":
+        return StochasticAdamW(params, lr=config.lr, weight_decay=config.weight_decay, seed=torch.initial_seed())
     on_gpu = any(p.is_cuda for p in params)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)

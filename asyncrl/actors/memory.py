@@ -4,9 +4,10 @@ micro-batches are sized by a budget in GiB (``LearnerConfig.memory_budget_gib``)
 Counted, in bytes (``b_res``: the parameters' dtype, which the residual stream keeps; ``b_act``: the compute
 dtype, autocast's where it is on):
 
-- *static*: every weight and buffer; a gradient and the optimiser's states (AdamW: two) for each parameter the
-  optimiser holds, in its dtype (LoRA: the adapter's alone). Sharded (FSDP2): this rank's shards, plus full
-  unsharded gradients (they accumulate unsharded over a step's micro-batches) and the blocks FSDP gathers.
+- *static*: every weight and buffer; a gradient and the optimiser's states (AdamW and ``StochasticAdamW``: two)
+  for each parameter the optimiser holds, in its dtype (LoRA: the adapter's alone). Sharded (FSDP2): this rank's
+  shards, plus full unsharded gradients (they accumulate unsharded over a step's micro-batches) and the blocks FSDP
+  gathers.
 - *per decoder position*: what autograd keeps for the backward (``_layer_bytes``), in every layer, or under
   gradient checkpointing only each block's input plus one block recomputed at a time.
 - *attention*: a masked sdpa call keeps its ``[rows, width, width]`` mask converted to the compute dtype, in
@@ -15,7 +16,8 @@ dtype, autocast's where it is on):
   hidden states and one chunk's logits at a time; from ``model(...).logits``: the logits of every position and
   float32 copies of the scored ones, all at once.
 
-The peak is static plus the larger of one pass's activations and the optimiser step's temporaries. The
+The peak is static plus the larger of one pass's activations and the optimiser step's temporaries (torch's
+optimisers: one trainable-sized copy; ``StochasticAdamW``: one chunk's float32 maths, ``temporary_bytes``). The
 coefficients count what a transformers Llama/Qwen2 layer saves, were checked against the CPU allocator's peak
 (tests/actors/test_memory.py; docs/ARCHITECTURE.md has the figures) and are rounded up: the plan errs high.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.actors.optimizer import StochasticAdamW
 from asyncrl.algorithms.head import CHUNK_ELEMENTS, decoder_and_head
 from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import pack, round_up
@@ -92,7 +95,7 @@ class MemoryPlan:
 
     budget_bytes: int
     static_bytes: int  # weights, gradients, optimiser states (a rank's share, when sharded)
-    step_bytes: int  # the optimiser step's temporaries (one trainable-sized copy; activations are gone by then)
+    step_bytes: int  # the optimiser step's temporaries (activations are gone by then)
     pass_bytes: int  # fixed per pass: weights autocast casts and caches for the forward
     token_bytes: int  # activations per decoder position, every layer kept
     checkpointed_token_bytes: int  # the same under gradient checkpointing: block inputs, one block recomputed
@@ -235,6 +238,8 @@ def plan_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config
     res = _param_dtype(model).itemsize
     act = getattr(torch, config.autocast.value).itemsize if config.autocast is not None else res
     static, trainable, cached = _static_bytes(model, optimizer, shape, optimizer_states, act if act != res else 0)
+    # torch's optimisers keep temporaries the size of what they update; StochasticAdamW works chunk by chunk.
+    step = optimizer.temporary_bytes() if isinstance(optimizer, StochasticAdamW) else trainable
     budget = int(config.memory_budget_gib * GIB)
     if static >= budget:
         raise ConfigError(FIELD, f"{config.memory_budget_gib:.4g} GiB ({budget} bytes) is below the "
@@ -249,7 +254,7 @@ def plan_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config
     kept = (shape.hidden + shape.kv_width) * res + shape.intermediate * act // 8
     from_logits = config.score_from_logits or decoder_and_head(model) is None
     plan = MemoryPlan(
-        budget_bytes=budget, static_bytes=static, step_bytes=trainable, pass_bytes=cached,
+        budget_bytes=budget, static_bytes=static, step_bytes=step, pass_bytes=cached,
         # Half a layer more in both: the gradients of the block being backpropagated; checkpointed, that block's
         # activations too, recomputed.
         token_bytes=shape.layers * layer + layer // 2 + outside,
@@ -309,9 +314,11 @@ def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shap
 
 
 def _optimizer_states(optimizer: torch.optim.Optimizer) -> int:
-    """Tensors of a parameter's size the optimiser keeps per parameter: Adam and AdamW 2 (3 with amsgrad), SGD
-    1 with momentum (else 0); any other is taken to keep 2."""
+    """Tensors of a parameter's size the optimiser keeps per parameter: Adam and AdamW 2 (3 with amsgrad),
+    ``StochasticAdamW`` 2, SGD 1 with momentum (else 0); any other is taken to keep 2."""
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if isinstance(optimizer, StochasticAdamW):
+        return 2
     if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return 3 if group.get("amsgrad") else 2
     if isinstance(optimizer, torch.optim.SGD):

@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transfer", choices=("files", "nccl"), default="files")
     p.add_argument("--bucket-mib", type=float, default=BUCKET_MIB, help="gather buffer for publication")
     p.add_argument("--dtype", default="float32", help="learner dtype (the servers keep their own)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw_bf16"), default="adamw",
+                   help="LearnerConfig.optimizer; adamw_bf16 (with --dtype bfloat16): bf16 states, stochastic rounding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", type=Path, help="write DCP checkpoints step-NNNNNN here")
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -59,20 +61,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def setup(args: argparse.Namespace, ctx: Any) -> Any:
-    """Every rank: the model (same start everywhere), sharded; AdamW over the shards; the GRPO loss."""
+    """Every rank: the model (same start everywhere), sharded; AdamW over the shards (``--optimizer``); the GRPO
+    loss."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from asyncrl.distributed import FSDPBackend, load_sharded, shard_model
     from asyncrl.engines.weights import manifest_dtype, read_manifest
+    from asyncrl.actors.optimizer import StochasticAdamW
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=getattr(torch, args.dtype))
     model = shard_model(model, ctx)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    config = learner_config(args)
+    # Either with torch's AdamW defaults (weight decay 0.01), which this example has always trained with.
+    adamw = StochasticAdamW if config.optimizer == "adamw_bf16" else torch.optim.AdamW
+    optimizer = adamw(model.parameters(), lr=args.lr)
     if args.resume:  # every rank reads its own shards, whatever the number of ranks that saved them
         load_sharded(args.resume, model, optimizer)
-    return FSDPBackend(model, optimizer, make_loss(args), learner_config(args), ctx,
+    return FSDPBackend(model, optimizer, make_loss(args), config, ctx,
                        publish_dtype=manifest_dtype(read_manifest(args.model_dir)),
                        bucket_bytes=int(args.bucket_mib * 2**20))
 
@@ -91,6 +98,7 @@ def learner_config(args: argparse.Namespace) -> Any:
 
     return LearnerConfig(batch_groups=args.batch_groups, lr=args.lr, micro_batch_rollouts=args.micro_batch_rollouts,
                          packing=args.packing != "off", varlen_attention=args.packing == "varlen",
+                         optimizer=args.optimizer,
                          sync=SyncConfig(every=1, mode="keep"))
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from asyncrl.actors.memory import GIB, plan_memory
+from asyncrl.actors.optimizer import StochasticAdamW
 from asyncrl.actors.training import LocalBackend
 from asyncrl.algorithms import GRPOLoss, LossConfig
 from asyncrl.config import ConfigError, LearnerConfig
@@ -180,6 +181,24 @@ def test_a_budget_below_the_static_bytes_is_refused_at_construction() -> None:
     with pytest.raises(ConfigError, match="memory_budget_gib") as caught:
         backend(model, adam=True, memory_budget_gib=budget)
     assert f"{budget:.4g} GiB" in str(caught.value) and f"{static / GIB:.4g} GiB" in str(caught.value), caught.value
+
+
+def test_stochastic_adamw_is_planned_with_bf16_states_and_one_chunk_of_float32_temporaries() -> None:
+    model = qwen(hidden=128).bfloat16()
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    optimizer = StochasticAdamW(model.parameters(), lr=1e-5, chunk_elements=largest // 3)
+    plan = plan_memory(model, optimizer, LearnerConfig(memory_budget_gib=1.0))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert plan.static_bytes == 4 * trainable + buffers  # bf16 weights, gradients, two states: 8 bytes a parameter
+    assert plan.step_bytes == optimizer.temporary_bytes() < trainable  # not torch's trainable-sized copy
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # the states exist from here on
+    counters = 4 * len(optimizer.state)  # a float32 step count per parameter, not planned
+    assert held_bytes(model, optimizer) + trainable == plan.static_bytes + counters  # (+ the gradients)
+    measured = peak_bytes(optimizer.step)
+    assert 0.5 * plan.step_bytes <= measured <= plan.step_bytes, (measured, plan.step_bytes)
 
 
 def test_a_model_without_a_transformers_config_is_refused() -> None:
