@@ -20,10 +20,13 @@ for pkg in peft trl; do
 done
 export PYTHONPATH="$PYTHONPATH:/tmp/peft-site" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 LOG="$OUT/run.log"; T0=$SECONDS
+# Result files live where a warm machine keeps them between commands (a fresh $OUT comes with each), so that
+# --resume finds the sides an earlier command measured; they are copied into $OUT after every step.
+KEEP=.cache/bench/gpu-7b; mkdir -p "$KEEP"
 # The engine's share for TRL's colocated vLLM: its weights (14.2 GiB), the same KV cache as ours, 4 GiB more.
 TRL_SHARE=$("$PY" -c "import torch; print(round((14.2 + 10 + 4) * 2**30 / torch.cuda.mem_get_info()[1], 3))")
-W7=(-m bench.gpu.workload --out "$OUT" --shapes qwen2.5-7b --max-answer 4096 --mean-answer 512 --max-tokens 4100
-    --kv-cache-gib 10 --micro-batch-tokens 32768 --memory-budget-gib 40 --no-engine-compile --resume
+W7=(-m bench.gpu.workload --out "$KEEP" --shapes qwen2.5-7b --max-answer 4096 --mean-answer 512 --max-tokens 4100
+    --kv-cache-gib 10 --micro-batch-tokens 32768 --memory-budget-gib 50 --no-engine-compile --resume
     --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
 deadline() { echo $(( $(left) - 25 )); }
 for s in $STEPS; do case $s in
@@ -34,7 +37,7 @@ for s in $STEPS; do case $s in
       --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
   fullsync) run fullsync 300 "$PY" "${W7[@]}" --sides sync --tag q7_full --steps "${SYNC_STEPS:-8}" \
       --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
-  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$OUT" --shape qwen2.5-7b --kv-cache-gib 10;;
+  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
-esac; done
+esac; cp "$KEEP"/*.json "$OUT"/ 2>/dev/null; done
 grep -hE "^\[|summary:|step [0-9]+ ends|engine.* up|passed|failed|Error|skipping" "$LOG" | grep -v WARNING | tail -60

@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", choices=list(SIDES), default="1gpu")
     p.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: qwen2-0.5b, qwen2-1.5b")
     p.add_argument("--sides", default="", help="comma-separated subset of the layout's sides (default: all)")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps a side (default 8; the CPU smoke run 2)")
     p.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the steady-state rate")
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
@@ -127,9 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cpu_smoke:  # tiny shapes only: "tiny" (warm-started) or "tiny-untied" (planted)
         args.shapes = ",".join(s for s in args.shapes.split(",") if s.startswith("tiny")) or "tiny"
-        args.steps, args.skip_steps, args.batch_groups, args.n = 2, 1, 2, 4
+        args.steps, args.skip_steps, args.batch_groups, args.n = args.steps or 2, 1, 2, 4
         args.max_tokens, args.kv_cache_gib, args.max_num_seqs, args.lr, args.warm_lr = 48, 1.0, 16, 1e-4, 1e-3
         args.learner_dtype = args.lora_base_dtype = "float32"  # the CPU engine's precision
+    args.steps = args.steps or 8
     args.sides = args.sides.split(",") if args.sides else list(SIDES[args.layout])
     return args
 
@@ -222,8 +223,11 @@ def engine_devices(args: argparse.Namespace) -> Any:
 
 
 async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: Any, prompts: list[Any],
-                  synchronous: bool, memory: MemoryWatch, lora: Any = None, lr: float | None = None) -> dict[str, Any]:
-    """One pipeline run; with ``lora`` (a ``LoraConfig``) the policy trains an adapter alone, published alone."""
+                  synchronous: bool, memory: MemoryWatch, lora: Any = None, lr: float | None = None,
+                  progress: Any = None) -> dict[str, Any]:
+    """One pipeline run; with ``lora`` (a ``LoraConfig``) the policy trains an adapter alone, published alone.
+    ``progress`` is handed the steps so far after every step (``partial``: a side cut short by a command's time
+    limit keeps what it measured)."""
     from asyncrl.algorithms.losses import LossConfig
     from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
@@ -253,6 +257,9 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
         for key, metric in PER_STEP.items():
             series[key].append(m.get(metric, float("nan")))
         print(f"step {step} ends at {marks[-1]:.1f}s", flush=True)  # a run cut short still shows its pace
+        if progress is not None:
+            progress({**rates(marks, per_step, tokens, marks[-1], args.skip_steps), "partial": True,
+                      "mode": "sync" if synchronous else "async", "rewards": rewards, **series})
 
     pipe.learner.hooks.append(hook)
     flops = FlopCount(model, lora=lora is not None)
@@ -334,7 +341,8 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
     from asyncrl.lora import LoraConfig
 
     suffix = f"_{variant}" if variant else ""
-    todo = [s for s in VARIANTS[variant] if s + suffix in args.sides and s + suffix not in out]
+    todo = [s for s in VARIANTS[variant]  # a side cut short earlier runs again, whole
+            if s + suffix in args.sides and (s + suffix not in out or out[s + suffix].get("partial"))]
     if not todo:
         return
     lora = LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha) if variant == "lora" else None
@@ -364,8 +372,12 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
                 out[key] = await engine_alone(args, engine, prompts)
                 await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
             else:
+                def progress(partial: dict[str, Any], key: str = key) -> None:
+                    out[key] = partial
+                    report()
+
                 out[key] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory, lora=lora,
-                                         lr=args.lora_lr if lora else None)
+                                         lr=args.lora_lr if lora else None, progress=progress)
             if "alone" in out and "async" in out:
                 out["generation_limit_ratio"] = out["async"]["generated_tokens_per_s"] / out["alone"]["tokens_per_s"]
             report()

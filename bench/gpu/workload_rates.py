@@ -38,6 +38,11 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             x, y = mine.get(a), mine.get(b) or r.get(b)
             if not x or not y or "samples_per_s" not in x or "samples_per_s" not in y:
                 continue
+            if x.get("partial") or y.get("partial"):  # a side cut short compares per step, apart
+                key = f"{shape}/{a}_over_{b}_partial"
+                out[key] = x["samples_per_s"] / y["samples_per_s"]
+                out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
+                continue
             key = f"{shape}/{a}_over_{b}"
             out[key] = x["samples_per_s"] / y["samples_per_s"]
             out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
