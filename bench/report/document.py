@@ -63,9 +63,10 @@ def repeat_line(name: str, path: Path) -> list[str]:
     if name not in REPEATS or (earlier := repeat_of(path)) is None:
         return []
     doc, other = earlier
+    told = REPEATS[name](results_of(doc)) or "no ratio (one side)"
     load = doc["hardware"].get("loadavg_at_start", [None])[0], doc["hardware"].get("loadavg_at_end", [None])[0]
     return ["", f"An earlier run of the same command (`{other.relative_to(common.ROOT)}`, {str(doc['date'])[:16]}, "
-                f"load {num(load[0], 1)} -> {num(load[1], 1)}): {REPEATS[name](results_of(doc))}."]
+                f"load {num(load[0], 1)} -> {num(load[1], 1)}): {told}."]
 
 
 def render(results_dir: Path = common.RESULTS) -> str:

@@ -23,7 +23,9 @@ def vs_trl(r: dict[str, Any]) -> list[str]:
 
 
 _SIDES = (("ours", "async", "ours, async (colocated)"), ("ours", "sync", "ours, sync"),
-          *((mode, None, label) for mode, label in TRL_LABELS.items()))
+          ("ours", "async_fp8", "ours, async, FP8 rollouts"), ("ours", "async_lora", "ours, async, LoRA"),
+          ("ours", "sync_lora", "ours, sync, LoRA"), *((mode, None, label) for mode, label in TRL_LABELS.items()),
+          ("trl_lora", None, "TRL GRPOTrainer + PEFT LoRA, vLLM colocate"))
 
 
 def gpu_workload(r: dict[str, Any]) -> list[str]:
@@ -34,7 +36,8 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
         rows = []
         for key, sub, label in _SIDES:
             side = x.get(key, {}).get(sub) if sub else x.get(key)
-            if side:
+            if side and "samples_per_s" in side:
+                label += " (cut short: steps so far)" if side.get("partial") else ""
                 rows.append([label, f"**{num(side['samples_per_s'], 1)}**", num(side.get("samples_per_s_steady"), 1),
                              num(side["completion_tokens_per_s"], 0), num(side["completion_len_mean"], 0),
                              num(sum(side["rewards"]) / len(side["rewards"]), 3), num(side.get("learner_train_s"), 1)])
@@ -48,7 +51,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
     def ratios(tokens: bool) -> str:
         return ", ".join(f"{k.split('/')[-1].removesuffix('_tokens')} {num(v)}x" for k, v in summary.items()
                          if k.endswith("_tokens") == tokens and not k.endswith("_steady")
-                         and "generation_limit" not in k)
+                         and "generation_limit" not in k) or "none (one side)"
 
     return lines + [f"Ratios over the whole run, trained samples/s: {ratios(False)}.",
                     f"Completion tokens/s: {ratios(True)}. Where a side trains shorter completions than "
@@ -62,7 +65,8 @@ def _token_books(ours: dict[str, Any]) -> list[str]:
              ", ".join(f"{k} {num(v, 0)}" for k, v in side["tokens_dropped"].items() if v) or "none",
              num(side["generated_len_mean"], 1), num(side["trained_len_mean"], 1),
              "on" if side["admission"] else "off", side["correction"]]
-            for mode in ("async", "sync") if "tokens_trained" in (side := ours.get(mode, {}))]
+            for mode in ("async", "sync", "async_fp8", "async_lora", "sync_lora")
+            if "tokens_trained" in (side := ours.get(mode, {}))]
     if not rows:
         return []
     return table(["ours", "completion tokens generated", "trained", "share", "dropped (tokens, by reason)",
@@ -72,8 +76,8 @@ def _token_books(ours: dict[str, Any]) -> list[str]:
 def _learner_options(x: dict[str, Any]) -> str:
     # Files from before ``--learner`` have no options recorded: their learner ran 8-rollout padded micro-batches.
     ours = x.get("ours", {})
-    options = next((ours[m]["learner_options"] for m in ("async", "sync") if "learner_options" in ours.get(m, {})),
-                   None)
+    options = next((ours[m]["learner_options"] for m in ("async", "sync", "async_fp8", "async_lora", "sync_lora")
+                    if "learner_options" in ours.get(m, {})), None)
     if not options:
         return "padded rows, 8-rollout micro-batches"
     return ", ".join(f"{k}={v}" for k, v in options.items())

@@ -13,9 +13,11 @@ from bench.report.document import repeat_of, results_of
 from bench.report.format import ms, num, pct
 from bench.report.gpu import compiled_kind
 from bench.report.learning import multi_seed
+from bench.report import seven_b
 
 README = common.ROOT / "README.md"
 RESULTS = common.ROOT / "docs" / "RESULTS.md"
+GPU = common.ROOT / "docs" / "GPU.md"
 
 
 def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
@@ -325,14 +327,15 @@ def structure_block(results_dir: Path) -> str:
 
 # Which document holds which blocks.
 FIGURED = {README: ("demo",), RESULTS: ("tool_use", "headline", "staleness", "preference", "lora", "agents", "fp8",
-                                        "structure")}
+                                        "structure", "seven_b"), GPU: ("seven_b_memory",)}
 
 
 def render_figures(doc: Path, text: str, results_dir: Path = common.RESULTS) -> str:
     """``text`` (the contents of ``doc``) with its figure blocks regenerated from the result files."""
     blocks = {"demo": demo_block, "tool_use": tool_use_block, "headline": headline_block,
               "staleness": staleness_block, "lora": lora_block, "preference": preference_block,
-              "agents": agent_block, "fp8": fp8_block, "structure": structure_block}
+              "agents": agent_block, "fp8": fp8_block, "structure": structure_block,
+              "seven_b": seven_b.seven_b_block, "seven_b_memory": seven_b.memory_block}
     for name in FIGURED[doc]:
         begin, end = f"<!-- figures:{name}:begin -->", f"<!-- figures:{name}:end -->"
         head, _, rest = text.partition(begin)

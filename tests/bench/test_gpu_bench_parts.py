@@ -136,3 +136,12 @@ def test_flop_count_follows_the_shape_and_the_kind_of_training(planted_tiny):
     forward = 2 * body * s + 2 * head * c + 2 * attention * s * s
     assert FlopCount(model, lora=False).batch_flops(groups) == pytest.approx(3 * 4 * forward)
     assert FlopCount(model, lora=True).batch_flops(groups) == pytest.approx(2 * 4 * forward)
+
+
+def test_a_run_log_gives_each_sides_step_times(tmp_path):
+    from bench.report.seven_b import logged_steps
+
+    log = tmp_path / "run.log"
+    log.write_text("engine up\nstep 1 ends at 4.0s\nstep 2 ends at 9.5s\nnoise step 3\n"
+                   "step 1 ends at 30.0s\nWARNING x\nstep 2 ends at 70.5s\nstep 3 ends at 111.0s\n")
+    assert logged_steps(log) == [[4.0, 9.5], [30.0, 70.5, 111.0]]

@@ -1,0 +1,141 @@
+"""The 7B figures: the planted Qwen2.5-7B workload on one GPU (``bench/gpu/run_7b.sh``) in docs/RESULTS.md, and
+the memory table of docs/GPU.md's recipe: what each part of a step holds at that shape, from the shape's
+arithmetic, beside what the runs measured."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from bench.gpu import countdown
+from bench.report.document import results_of
+from bench.report.format import ms, num, pct, table
+
+SHAPE = "qwen2.5-7b"
+GIB = 2**30
+
+
+def _runs(results_dir: Path) -> list[tuple[dict[str, Any], str, Path, dict[str, Any]]]:
+    """Every 7B workload file (``gpu_workload_<gpu>_q7*.json``, repeats included): results, source, path, and
+    the run's parameters."""
+    paths = sorted(results_dir.glob("gpu_workload_*_q7*.json")) + sorted(
+        (results_dir / "repeats").glob("gpu_workload_*_q7*.json"))
+    out = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        source = f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
+        out.append((results_of(doc), source, path, doc.get("parameters", {})))
+    return out
+
+
+def logged_steps(log: Path) -> list[list[float]]:
+    """Step end times (seconds) per side, in the order a run log printed them (``step N ends at Xs``): the pace
+    of a side the command's limit cut short before it wrote its figures."""
+    sides: list[list[float]] = []
+    for m in re.finditer(r"^step (\d+) ends at ([\d.]+)s$", log.read_text(), re.M):
+        if m.group(1) == "1":
+            sides.append([])
+        if sides:
+            sides[-1].append(float(m.group(2)))
+    return sides
+
+
+def seven_b_block(results_dir: Path) -> str:
+    """LoRA at 7B, async (and what of sync was measured), one GPU: speed, pause, memory, MFU, reward."""
+    lines = []
+    for r, source, path, _ in _runs(results_dir):
+        side = r.get(SHAPE, {}).get("ours", {}).get("async_lora")
+        if not side or side.get("partial"):
+            continue
+        warm = r[SHAPE]["warm_start"]
+        plan, peak = max(side["memory_predicted_gib"]), max(side["memory_peak_gib"])
+        lines.append(
+            f"- {'Repeat' if 'repeats' in path.parts else 'Run'}: ours async, LoRA rank 32 on the frozen bf16 base, "
+            f"{side['steps']} steps of 64 samples: **{num(side['completion_tokens_per_s'], 0)} trained completion "
+            f"tokens/s** (mean length {num(side['trained_len_mean'], 0)}), publication pause "
+            f"**{ms(side['publication_pause_s']['mean'])}** (largest {ms(side['publication_pause_s']['max'])}), "
+            f"whole-GPU peak **{num(max(side['gpu_peak_used_gib']), 1)} GiB**, learner peak "
+            f"{num(peak, 1)} GiB against the plan's {num(plan, 1)} (x{num(plan / peak)}), learner MFU "
+            f"{pct(side['learner_mfu'])}, mean reward {num(statistics.mean(side['rewards']), 3)}, groups dropped as "
+            f"stale {side['dropped'].get('stale', 0)} ({side['dropped'].get('unused_at_shutdown', 0)} left unused at "
+            f"shutdown); policy planted in {num(warm['seconds'], 0)} s ({source}).")
+        log = path.with_name(path.stem + "_run.log")
+        if log.is_file() and "sync_lora" not in r[SHAPE]["ours"]:
+            lines.append(sync_from_log(log, side))
+    return "\n".join(lines) or "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
+
+
+def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:
+    """The sync side's pace from the run log, when the command's limit cut it short before it wrote a figure."""
+    sides = logged_steps(log)
+    if len(sides) < 2:
+        return f"  Sync: no step logged (`{log.relative_to(common.ROOT)}`)."
+    sync, marks = sides[-1], async_side["step_end_s"]
+    per_sync = (sync[-1] - sync[0]) / (len(sync) - 1)
+    per_async = (marks[-1] - marks[1]) / (len(marks) - 2)
+    return (f"  Sync on the same engine was cut short by the command's limit after {len(sync)} of "
+            f"{async_side['steps']} steps: {num(per_sync, 1)} s a step after its first, against async's "
+            f"{num(per_async, 1)} s after its second, so async ran **x{num(per_sync / per_async)}** sync's samples/s "
+            f"over those steps (step times from `{log.relative_to(common.ROOT)}`; no token figure for sync).")
+
+
+# ---------------------------------------------------------------------------------------------- memory table
+
+
+def shape_params(shape: str = SHAPE) -> dict[str, int]:
+    """Parameters of the shape: the embedding, the head, and the decoder layers."""
+    s = countdown.SHAPES[shape]
+    d, inter, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    head = d // s["num_attention_heads"]
+    q, kv = s["num_attention_heads"] * head, s["num_key_value_heads"] * head
+    per_layer = d * (q + 2 * kv) + (q + 2 * kv) + q * d + 3 * d * inter + 2 * d
+    return {"embedding": vocab * d, "head": vocab * d, "layers": layers * per_layer + d}
+
+
+def memory_block(results_dir: Path) -> str:
+    """What each part of a 7B step holds, LoRA and full fine-tuning, against an 80 GiB H100 and a 141 GiB H200."""
+    found = [(r, source, args) for r, source, path, args in _runs(results_dir) if "repeats" not in path.parts
+             and (r.get(SHAPE, {}).get("ours", {}).get("async_lora") or {}).get("steps")]
+    if not found:
+        return "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
+    r, source, args = found[0]
+    side, params = r[SHAPE]["ours"]["async_lora"], shape_params()
+    total = sum(params.values())
+    weights = 2 * total / GIB
+    adapter = side["trainable_params"] * 4 / GIB
+    kv = args["kv_cache_gib"]
+    engine_measured = max(side["gpu_peak_used_gib"]) - side["learner_peak_allocated_gib"]
+    activations = max(side["memory_peak_gib"]) - weights - 4 * adapter
+    lora = [engine_measured, weights, kv, weights + adapter, adapter, 2 * adapter, 0.0, activations]
+    full = [engine_measured, weights, kv, weights, weights, 2 * weights, weights, activations]
+
+    def cell(x: float) -> str:
+        return num(x, 1)
+
+    names = ["engine in all, measured: the whole GPU's peak less the learner's allocated peak (weights, KV "
+             "cache, CUDA graphs, LoRA slots, CUDA contexts)", "of which weights (bf16)",
+             "of which KV cache (as configured)",
+             "learner weights (bf16; LoRA: + float32 adapter)", "gradients (LoRA: the adapter's, float32)",
+             "optimiser state (AdamW: two; full: bf16 `adamw_bf16`)",
+             "publication snapshot (full: the CUDA IPC buffer; LoRA: in host memory)",
+             "activation peak, measured with LoRA (the same micro-batches for full)"]
+    rows = [[n, cell(a), cell(b)] for n, a, b in zip(names, lora, full)]
+    lora_total = engine_measured + sum(lora[3:])
+    full_total = engine_measured + sum(full[3:])
+    rows.append(["**whole GPU** (engine process + learner)", f"**{cell(lora_total)}** (measured "
+                 f"{cell(max(side['gpu_peak_used_gib']))})", f"**{cell(full_total)}** (not measured)"])
+    rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total), fits(full_total)])
+    note = (f"GiB, Qwen2.5-7B shape ({total / 1e9:.2f}B parameters), LoRA rank 32 "
+            f"({side['trainable_params'] / 1e6:.1f}M adapter parameters). Shape arithmetic for the weights, gradients, "
+            f"states and snapshot; the engine process and the activation peak are what the LoRA run measured "
+            f"(the full column reuses them: its engine and micro-batches are the same). Source: {source}.")
+    return "\n".join([*table(["part", "LoRA, async", "full fine-tuning, async"], rows), "", note])
+
+
+def fits(total: float) -> str:
+    # Usable memory: what torch reports free on an idle card, less the 5 GiB the issue keeps in reserve.
+    return " / ".join("yes" if total <= usable else "no" for usable in (75.0, 134.0))
