@@ -10,7 +10,9 @@ lengths (mean ~256, max 1000 tokens + end-of-sequence; ``--max-tokens`` 1024), r
 The policy is a Qwen2-0.5B-shaped model (``--shapes`` also takes ``qwen2-1.5b``), randomly initialised, then
 warm-started briefly on the GPU by supervised training on the task (``--warm-start-steps``), so that both sides
 start from the same policy, which produces the lengths itself. Built and warm-started in their own processes,
-cached by recipe under ``.cache/bench/gpu-workload``.
+cached by recipe under ``.cache/bench/gpu-workload``. The 7-8B shapes (``qwen2.5-7b``, ``llama3.1-8b``) are planted
+instead (``bench.gpu.planted``: the task written into the weights, no training), with longer answers where asked
+(``--max-answer`` up to 4,096, ``--mean-answer``); ``bench/gpu/run_7b.sh`` runs them.
 
 Each side trains ``--steps`` optimiser steps of ``--batch-groups`` prompts x ``--n`` completions (equal samples),
 from the same prompts in the same order, GRPO without KL, clip 0.2/0.28, token-mean loss, constant learning rate,
@@ -26,8 +28,12 @@ Layout ``1gpu`` (everything colocated on GPU 0):
   checkpoint in FP8 (``VLLMEngineConfig.quantization="fp8"``, vLLM's online quantization; publications requantize);
   the learner stays in bf16 autocast, and the per-step mismatch it sees at equal versions (``loss/mismatch_kl``,
   ``loss/mismatch_cut_frac``) is recorded beside the staleness;
+- ``async_lora`` / ``sync_lora`` (only when named): ``async`` and ``sync`` on an engine serving adapters, the learner
+  training a LoRA adapter (``--lora-rank``, ``--lora-alpha``, ``--lora-lr``) on its frozen base
+  (``--lora-base-dtype``), published alone; the engine never sleeps;
 - ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
-  ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``).
+  ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``); ``trl_lora`` (only when named): the same with PEFT LoRA of
+  our adapter's rank, alpha, targets and learning rate on a bf16 base.
 Layout ``2gpu`` (engine on GPU 1, learner on GPU 0):
 - ``alone``: the engine by itself at the producers' concurrency (tokens/s), then ``async`` as above; their ratio
   ``generation_limit_ratio`` = engine tokens/s during training over the engine alone;
@@ -36,7 +42,9 @@ Layout ``2gpu`` (engine on GPU 1, learner on GPU 0):
 Per run: ``samples_per_s`` (trained samples over the training wall time; start-up reported apart), the same over
 the steps after the first ``--skip-steps`` (``samples_per_s_steady``: the pipeline's fill left out),
 ``completion_tokens_per_s`` (tokens of the trained completions), mean completion length, peak GPU memory in use
-on each device (sampled by this process: everything on the device, all processes). Results are written after
+on each device (sampled by this process: everything on the device, all processes), the learner's model FLOPs
+utilisation (``bench.gpu.mfu``), and per step the memory plan's prediction beside the measured peak
+(``--memory-budget-gib``). Results are written after
 every side, so a run cut short by its time limit keeps what it measured; ``--deadline-s`` skips sides that would
 not fit (recorded as skipped).
 

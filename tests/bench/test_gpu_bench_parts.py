@@ -145,3 +145,25 @@ def test_a_run_log_gives_each_sides_step_times(tmp_path):
     log.write_text("engine up\nstep 1 ends at 4.0s\nstep 2 ends at 9.5s\nnoise step 3\n"
                    "step 1 ends at 30.0s\nWARNING x\nstep 2 ends at 70.5s\nstep 3 ends at 111.0s\n")
     assert logged_steps(log) == [[4.0, 9.5], [30.0, 70.5, 111.0]]
+
+
+def test_the_llama_shape_plants_the_same_table(tmp_path, monkeypatch):
+    """``llama3.1-8b`` at a tiny size: Llama's tensor names (no q/k/v biases) load into transformers' Llama and
+    count down greedily."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.gpu import planted
+
+    monkeypatch.setitem(countdown.SHAPES, "tiny-llama", dict(
+        countdown.SHAPES["llama3.1-8b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=5120))
+    planted.plant(tmp_path, "tiny-llama", device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    p = countdown.problems(5, 1, max_len=40)[0]
+    prompt = tok(p.prompt, add_special_tokens=False).input_ids
+    ids = prompt + tok(p.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    with torch.no_grad():
+        greedy = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].argmax(-1)
+    assert greedy.tolist() == ids[len(prompt):]
