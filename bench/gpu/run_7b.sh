@@ -3,7 +3,8 @@
 # minutes). The policy is the planted Qwen2.5-7B shape (bench.gpu.planted), answers lognormal of mean 512 up to
 # 4,096 tokens. Steps, in the order given; a step left out of one command goes on in the next (--resume: sides
 # already in the result file are kept, and each records the machine it ran on):
-#   lora    ours, async and sync, training a LoRA adapter (rank 32) on the frozen bf16 base: gpu_workload_<gpu>_q7.json
+#   lora    ours, async, training a LoRA adapter (rank 32) on the frozen bf16 base: gpu_workload_<gpu>_q7.json
+#   lorasync  ours, sync, the same, into the same file (async and sync together outlast one command at 7B)
 #   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
 #   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
 #           $FULL_STEPS steps (default 24): gpu_workload_<gpu>_q7_full.json
@@ -13,7 +14,7 @@
 # land in $OUT: summary.txt, run.log and the JSON files.
 # Usage, from the repository root (host setup sourced first):  bash bench/gpu/run_7b.sh [BUDGET_S] [STEP...]
 BUDGET=${1:-570}; shift $(( $# < 1 ? $# : 1 ))
-STEPS=${*:-lora trl}
+STEPS=${*:-lora lorasync}
 source bench/gpu/common.sh
 for pkg in peft trl; do
   [ -d "/tmp/$pkg-site" ] || for w in ".cache/gpu-$pkg"/*.whl; do "$PY" -m zipfile -e "$w" "/tmp/$pkg-site"; done
@@ -30,7 +31,8 @@ W7=(-m bench.gpu.workload --out "$KEEP" --shapes qwen2.5-7b --max-answer 4096 --
     --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
 deadline() { echo $(( $(left) - 25 )); }
 for s in $STEPS; do case $s in
-  lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora,sync_lora --tag q7 --deadline-s "$(deadline)";;
+  lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora --tag q7 --deadline-s "$(deadline)";;
+  lorasync) run lorasync 300 "$PY" "${W7[@]}" --sides sync_lora --tag q7 --deadline-s "$(deadline)";;
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;
   full) run full 300 "$PY" "${W7[@]}" --sides async --tag q7_full --steps "${FULL_STEPS:-24}" \
