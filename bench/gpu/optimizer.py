@@ -1,0 +1,96 @@
+"""``LearnerConfig(optimizer="adamw_bf16")`` on a GPU: the step time of ``StochasticAdamW`` over a 7B shape's bf16
+parameters beside torch's fused AdamW over the same parameters (round to nearest: what it would lose), its
+temporaries against what the memory plan counts, and the same update on CPU and GPU. Writes ``optimizer_<gpu>.json``.
+
+    python -m bench.gpu.optimizer --shape qwen2.5-7b
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.common import Result, parser
+from bench.report.seven_b import shape_params
+
+
+def layer_shapes(shape: str) -> list[tuple[int, ...]]:
+    """Every parameter tensor's shape in a ``bench.gpu.countdown`` shape (untied head), per ``shape_params``."""
+    from bench.gpu import countdown
+
+    s = countdown.SHAPES[shape]
+    d, inter, vocab = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    head = d // s["num_attention_heads"]
+    q, kv = s["num_attention_heads"] * head, s["num_key_value_heads"] * head
+    layer = [(q, d), (kv, d), (kv, d), (q,), (kv,), (kv,), (d, q), (inter, d), (inter, d), (d, inter), (d,), (d,)]
+    return [(vocab, d), (vocab, d), *(x for _ in range(s["num_hidden_layers"]) for x in layer), (d,)]
+
+
+def timed(optimizer: Any, steps: int) -> dict[str, float]:
+    import torch
+
+    optimizer.step()  # the first step creates the states
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        optimizer.step()
+    torch.cuda.synchronize()
+    return {"step_s": (time.perf_counter() - t0) / steps, "held_gib": base / 2**30,
+            "temporary_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+
+
+def cpu_gpu_agreement() -> dict[str, float]:
+    """Three steps of the same update on CPU and GPU: the share of weights equal to the bit, and moved at all."""
+    import torch
+
+    from asyncrl.actors.optimizer import StochasticAdamW
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3_000_001, generator=gen).bfloat16()
+    g = (torch.randn(3_000_001, generator=gen) * 1e-3).bfloat16()
+    out = []
+    for device in ("cpu", "cuda"):
+        p = torch.nn.Parameter(w.clone().to(device))
+        opt = StochasticAdamW([p], lr=1e-5, chunk_elements=1 << 20, seed=1)
+        for _ in range(3):
+            p.grad = g.to(device)
+            opt.step()
+        out.append(p.detach().cpu())
+    return {"equal_fraction": (out[0] == out[1]).float().mean().item(),
+            "moved_fraction": (out[1] != w).float().mean().item()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--shape", default="qwen2.5-7b")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    import torch
+
+    from asyncrl.actors.optimizer import StochasticAdamW
+
+    result = Result("optimizer", args, argv, module="bench.gpu.optimizer")
+    out: dict[str, Any] = {"agreement": cpu_gpu_agreement()}
+    shapes = layer_shapes(args.shape)
+    out["params"] = sum(torch.Size(s).numel() for s in shapes)
+    assert out["params"] == sum(shape_params(args.shape).values()), "the shapes disagree with the memory table's"
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    for x in params:
+        x.grad = torch.randn_like(x) * 1e-3
+    stochastic = StochasticAdamW(params, lr=1e-6)
+    out["adamw_bf16"] = {**timed(stochastic, args.steps),
+                         "planned_temporary_gib": stochastic.temporary_bytes() / 2**30}
+    print(out, flush=True)
+    del stochastic
+    torch.cuda.empty_cache()
+    out["torch_fused_adamw"] = timed(torch.optim.AdamW(params, lr=1e-6, fused=True), args.steps)
+    out["step_ratio"] = out["adamw_bf16"]["step_s"] / out["torch_fused_adamw"]["step_s"]
+    result.write(out, suffix=f"_{args.shape.replace('.', '')}")
+    print(out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
