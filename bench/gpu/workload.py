@@ -86,7 +86,8 @@ log = logging.getLogger("bench.gpu.workload")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.parser(__doc__)
     p.add_argument("--layout", choices=list(SIDES), default="1gpu")
-    p.add_argument("--shapes", default="qwen2-0.5b", help="comma-separated: qwen2-0.5b, qwen2-1.5b")
+    p.add_argument("--shapes", default="qwen2-0.5b",
+                   help="comma-separated: qwen2-0.5b, qwen2-1.5b (warm-started); qwen2.5-7b, llama3.1-8b (planted)")
     p.add_argument("--sides", default="", help="comma-separated subset of the layout's sides (default: all)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps a side (default 8; the CPU smoke run 2)")
     p.add_argument("--skip-steps", type=int, default=2, help="first steps left out of the steady-state rate")
@@ -124,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="continue the result file of the same name: its sides are kept, not run again (a run too "
                         "long for one command goes on in the next, on the same machine: each side records it)")
     p.add_argument("--learner-dtype", default="float32", help="the learner's weights (full fine-tuning)")
-    p.add_argument("--optimizer", default="adamw", help="LearnerConfig.optimizer (adamw_bf16 for bf16 weights)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw_bf16"), default="adamw",
+                   help="LearnerConfig.optimizer (adamw_bf16 for bf16 weights)")
     p.add_argument("--memory-budget-gib", type=float, default=None, help="LearnerConfig.memory_budget_gib")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--lora-alpha", type=int, default=64)
