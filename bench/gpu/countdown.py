@@ -53,6 +53,12 @@ SHAPES = {  # Qwen2 shapes; the vocabulary stays Qwen2's (the lm_head is a large
 }
 
 
+def is_planted(shape: str) -> bool:
+    """Whether ``shape`` is built by ``bench.gpu.planted`` (an untied head holds the task) rather than built and
+    warm-started here (the shapes without ``tie_word_embeddings``, which ``build`` ties)."""
+    return SHAPES[shape].get("tie_word_embeddings") is False
+
+
 def number(k: int) -> str:
     """K as a word of letters: ``w`` and three base-26 digits (0 -> ``waaa``, 27 -> ``wabb``)."""
     return "w" + "".join(chr(97 + k // 26 ** i % 26) for i in (2, 1, 0))

@@ -87,8 +87,8 @@ async def run(args: Any) -> dict[str, Any]:
         model_dir = Path(tmp) / "model"
         # Built in its own process: whatever the build leaves on the GPU goes with it, before an engine starts.
         # Shapes with an untied head (7-8B) are planted: the same tensors, drawn on the device, written faster.
-        planted = not countdown.SHAPES[args.shape].get("tie_word_embeddings", True)
-        build = ["bench.gpu.planted", str(model_dir)] if planted else ["bench.gpu.countdown", "build", str(model_dir)]
+        build = (["bench.gpu.planted", str(model_dir)] if countdown.is_planted(args.shape)
+                 else ["bench.gpu.countdown", "build", str(model_dir)])
         subprocess.run([sys.executable, "-m", *build, "--shape", args.shape], check=True)
         learner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
         rounds: list[dict[str, Any]] = []

@@ -11,19 +11,7 @@ import time
 from typing import Any
 
 from bench.common import Result, parser
-from bench.report.seven_b import shape_params
-
-
-def layer_shapes(shape: str) -> list[tuple[int, ...]]:
-    """Every parameter tensor's shape in a ``bench.gpu.countdown`` shape (untied head), per ``shape_params``."""
-    from bench.gpu import countdown
-
-    s = countdown.SHAPES[shape]
-    d, inter, vocab = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
-    head = d // s["num_attention_heads"]
-    q, kv = s["num_attention_heads"] * head, s["num_key_value_heads"] * head
-    layer = [(q, d), (kv, d), (kv, d), (q,), (kv,), (kv,), (d, q), (inter, d), (inter, d), (d, inter), (d,), (d,)]
-    return [(vocab, d), (vocab, d), *(x for _ in range(s["num_hidden_layers"]) for x in layer), (d,)]
+from bench.gpu.planted import tensor_shapes
 
 
 def timed(optimizer: Any, steps: int) -> dict[str, float]:
@@ -73,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = Result("optimizer", args, argv, module="bench.gpu.optimizer")
     out: dict[str, Any] = {"agreement": cpu_gpu_agreement()}
-    shapes = layer_shapes(args.shape)
+    shapes = list(tensor_shapes(args.shape).values())
     out["params"] = sum(torch.Size(s).numel() for s in shapes)
-    assert out["params"] == sum(shape_params(args.shape).values()), "the shapes disagree with the memory table's"
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
     for x in params:
         x.grad = torch.randn_like(x) * 1e-3

@@ -38,6 +38,7 @@ BRANCH_STD = 1e-5  # o_proj / down_proj: the residual branches start close to th
 WEIGHT_STD = 0.02  # every other projection, as transformers initialises them
 OUTSIDE = 30.0  # logit penalty of ids beyond the tokenizer
 SHARD_BYTES = 4 << 30
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # the planted tensors
 
 
 def head_scale(hidden: int, known: int, tasks: int, token_error: float) -> float:
@@ -72,28 +73,37 @@ def model_config(shape: str, tok: Any) -> Any:
                pad_token_id=tok.pad_token_id, torch_dtype="bfloat16")
 
 
-def layer_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's tensors, by their names under ``model.layers.N.``."""
-    d, inter = cfg.hidden_size, cfg.intermediate_size
-    head = getattr(cfg, "head_dim", None) or d // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
-    out = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-           "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-           "self_attn.o_proj.weight": (d, q), "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d),
-           "mlp.down_proj.weight": (d, inter)}
-    if cfg.model_type == "qwen2":  # Qwen2 has biases on q, k and v
-        out |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-    return out
+def tensor_shapes(shape: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``shape``'s checkpoint (``countdown.SHAPES``, untied head), by transformers' names, in
+    the order ``plant`` draws them."""
+    s = countdown.SHAPES[shape]
+    d, inter, vocab = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    head = d // s["num_attention_heads"]
+    q, kv = s["num_attention_heads"] * head, s["num_key_value_heads"] * head
+    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+             "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+             "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q), "mlp.gate_proj.weight": (inter, d),
+             "mlp.up_proj.weight": (inter, d), "mlp.down_proj.weight": (d, inter)}
+    if s.get("arch", "qwen2") == "qwen2":  # Qwen2 has biases on q, k and v
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    out = {EMBEDDING: (vocab, d)}
+    for i in range(s["num_hidden_layers"]):
+        out |= {f"model.layers.{i}.{name}": dims for name, dims in layer.items()}
+    return out | {"model.norm.weight": (d,), HEAD: (vocab, d)}
+
+
+def param_count(shape: str) -> int:
+    return sum(math.prod(dims) for dims in tensor_shapes(shape).values())
 
 
 def layer_tensor(name: str, shape: tuple[int, ...], gen: Any, device: str) -> Any:
     import torch
 
-    if name.endswith("layernorm.weight"):
+    if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16, device=device)
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=torch.bfloat16, device=device)
-    std = BRANCH_STD if name.split(".")[1] in ("o_proj", "down_proj") else WEIGHT_STD
+    std = BRANCH_STD if name.split(".")[-2] in ("o_proj", "down_proj") else WEIGHT_STD
     return (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16)
 
 
@@ -123,7 +133,7 @@ def plant(out: Path, shape: str, *, token_error: float = 1e-3, seed: int = 0, de
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    if countdown.SHAPES[shape].get("tie_word_embeddings", True):  # the warm-started shapes tie theirs
+    if not countdown.is_planted(shape):
         raise ValueError(f"{shape} ties its head to its embedding: a planted table needs them apart")
     t0 = time.perf_counter()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,12 +143,9 @@ def plant(out: Path, shape: str, *, token_error: float = 1e-3, seed: int = 0, de
     cfg = model_config(shape, tok)
     gen = torch.Generator(device=device).manual_seed(seed)
     embed, head, beta = embedding_and_head(cfg, tok, gen, device, token_error)
-    tensors = {"model.embed_tokens.weight": embed}
-    for i in range(cfg.num_hidden_layers):
-        for name, dims in layer_shapes(cfg).items():
-            tensors[f"model.layers.{i}.{name}"] = layer_tensor(name, dims, gen, device)
-    tensors["model.norm.weight"] = torch.ones(cfg.hidden_size, dtype=torch.bfloat16, device=device)
-    tensors["lm_head.weight"] = head
+    planted = {EMBEDDING: embed, HEAD: head}
+    tensors = {name: planted[name] if name in planted else layer_tensor(name, dims, gen, device)
+               for name, dims in tensor_shapes(shape).items()}
     params = sum(t.numel() for t in tensors.values())
     write_shards(out, tensors, save_file)
     cfg.save_pretrained(str(out))
@@ -171,7 +178,7 @@ def write_shards(out: Path, tensors: dict[str, Any], save_file: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--shape", choices=[s for s, v in countdown.SHAPES.items() if v.get("tie_word_embeddings") is False],
+    p.add_argument("--shape", choices=[s for s in countdown.SHAPES if countdown.is_planted(s)],
                    default="qwen2.5-7b")
     p.add_argument("--token-error", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)

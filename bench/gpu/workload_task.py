@@ -13,8 +13,8 @@ from typing import Any
 from bench import common
 from bench.gpu import countdown
 
-# Supervised warm-start steps, at most (it stops at 99.8% accuracy). A shape not listed is planted
-# (``bench.gpu.planted``): too large to warm-start by training within one device call.
+# Supervised warm-start steps, at most (it stops at 99.8% accuracy). The planted shapes (``countdown.is_planted``)
+# are not warm-started: too large to train within one device call.
 WARM_STEPS = {"qwen2-0.5b": 200, "qwen2-1.5b": 150, "tiny": 200}
 RECIPE_VERSION = 2  # 2: the tokenizer holds numbers up to countdown.WORDS
 
@@ -36,7 +36,7 @@ def task_scale(args: argparse.Namespace) -> dict[str, Any]:
 def prepare_model(args: argparse.Namespace, shape: str) -> tuple[Path, dict[str, Any]]:
     """The policy both sides start from, cached by recipe: planted, or built and then warm-started, each in its
     own process (a 0.5B model built in the process that then starts vLLM stalled its start-up once on the H200)."""
-    if shape not in WARM_STEPS:
+    if countdown.is_planted(shape):
         return plant_model(args, shape)
     import subprocess
 

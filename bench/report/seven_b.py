@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.gpu import countdown
+from bench.gpu.planted import param_count
 from bench.report.document import results_of
 from bench.report.format import ms, num, pct, table
 
@@ -86,16 +86,6 @@ def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------- memory table
 
 
-def shape_params(shape: str = SHAPE) -> dict[str, int]:
-    """Parameters of the shape: the embedding, the head, and the decoder layers."""
-    s = countdown.SHAPES[shape]
-    d, inter, layers, vocab = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    head = d // s["num_attention_heads"]
-    q, kv = s["num_attention_heads"] * head, s["num_key_value_heads"] * head
-    per_layer = d * (q + 2 * kv) + (q + 2 * kv) + q * d + 3 * d * inter + 2 * d
-    return {"embedding": vocab * d, "head": vocab * d, "layers": layers * per_layer + d}
-
-
 def memory_block(results_dir: Path) -> str:
     """What each part of a 7B step holds, LoRA and full fine-tuning, against an 80 GiB H100 and a 141 GiB H200."""
     found = [(r, source, args) for r, source, path, args in _runs(results_dir) if "repeats" not in path.parts
@@ -103,8 +93,7 @@ def memory_block(results_dir: Path) -> str:
     if not found:
         return "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
     r, source, args = found[0]
-    side, params = r[SHAPE]["ours"]["async_lora"], shape_params()
-    total = sum(params.values())
+    side, total = r[SHAPE]["ours"]["async_lora"], param_count(SHAPE)
     weights = 2 * total / GIB
     adapter = side["trainable_params"] * 4 / GIB
     kv = args["kv_cache_gib"]
