@@ -38,15 +38,11 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             x, y = mine.get(a), mine.get(b) or r.get(b)
             if not x or not y or "samples_per_s" not in x or "samples_per_s" not in y:
                 continue
-            if x.get("partial") or y.get("partial"):  # a side cut short compares per step, apart
-                key = f"{shape}/{a}_over_{b}_partial"
-                out[key] = x["samples_per_s"] / y["samples_per_s"]
-                out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
-                continue
-            key = f"{shape}/{a}_over_{b}"
+            partial = x.get("partial") or y.get("partial")  # a side cut short: its steps so far, kept apart
+            key = f"{shape}/{a}_over_{b}" + ("_partial" if partial else "")
             out[key] = x["samples_per_s"] / y["samples_per_s"]
             out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
-            if "samples_per_s_steady" in x and "samples_per_s_steady" in y:
+            if not partial and "samples_per_s_steady" in x and "samples_per_s_steady" in y:
                 out[key + "_steady"] = x["samples_per_s_steady"] / y["samples_per_s_steady"]
         if "generation_limit_ratio" in mine:
             out[f"{shape}/generation_limit_ratio"] = mine["generation_limit_ratio"]

@@ -169,6 +169,14 @@ def train(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, st
         optimizer.step()
 
 
+def fit(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> None:
+    """``steps`` optimiser steps of ``model`` on the mean square of its output for ``x``."""
+    for _ in range(steps):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def test_chunk_size_and_layout_change_nothing_and_the_seed_does() -> None:
     results = []
     for chunk, contiguous in ((1 << 20, False), (64, False), (7, False), (1 << 20, True)):
@@ -198,23 +206,17 @@ async def test_the_checkpoint_store_resumes_the_run_bit_for_bit(tmp_path: Path) 
 
     x = torch.randn(32, 16).bfloat16()
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
-        for _ in range(n):
-            model(x).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
     model, opt = model_and_optimizer(seed=11)
-    step(model, opt, 2)
+    fit(model, opt, x, 2)
     async with Checkpointer(CheckpointConfig(dir=tmp_path)) as ckpt:
         saved = await ckpt.save(model, opt, TrainingState(step=2, version=2, published=True, cursor=0,
                                                           counters=GroupTotals()))
-    step(model, opt, 3)
+    fit(model, opt, x, 3)
     again, fresh = model_and_optimizer(seed=99)  # the seed, like the step counts, comes from the checkpoint
     restore(saved, again, fresh)
     assert fresh.param_groups[0]["seed"] == 11
     assert all(v.dtype == torch.bfloat16 for s in fresh.state.values() for k, v in s.items() if k != "step")
-    step(again, fresh, 3)
+    fit(again, fresh, x, 3)
     for p, q in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -233,28 +235,22 @@ def test_fsdp2_shards_train_as_the_plain_model_and_resume_from_a_sharded_checkpo
 
     x = torch.randn(4, 8).bfloat16()
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
-        for _ in range(n):
-            model(x).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
     plain = make()
     plain_opt = StochasticAdamW(plain.parameters(), lr=1e-3, seed=4)
-    step(plain, plain_opt, 4)
+    fit(plain, plain_opt, x, 4)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         sharded = fully_shard(make(), mesh=mesh)
         opt = StochasticAdamW(sharded.parameters(), lr=1e-3, seed=4)
-        step(sharded, opt, 2)
+        fit(sharded, opt, x, 2)
         assert all(isinstance(v, DTensor) and v.dtype == torch.bfloat16
                    for s in opt.state.values() for k, v in s.items() if k != "step")
         save_sharded(tmp_path / "ckpt", sharded, opt, {"step": 2})
         resumed = fully_shard(make(), mesh=mesh)
         resumed_opt = StochasticAdamW(resumed.parameters(), lr=1e-3, seed=0)
         load_sharded(tmp_path / "ckpt", resumed, resumed_opt)
-        step(resumed, resumed_opt, 2)
+        fit(resumed, resumed_opt, x, 2)
         for p, q in zip(plain.parameters(), resumed.parameters(), strict=True):
             assert torch.equal(p, q.full_tensor())
     finally:
