@@ -39,8 +39,7 @@ class FlopCount:
         self.head = d * cfg.vocab_size
         self.attention = layers * q
         self.passes = 2 if lora else 3
-        self.flops = 0.0
-        self.steps: list[float] = []
+        self.steps: list[float] = []  # model FLOPs of each trained batch
 
     def batch_flops(self, batch: Sequence[Any]) -> float:
         forward = 0.0
@@ -55,7 +54,6 @@ class FlopCount:
     async def record(self, step: int, policy_version: int, served_version: int, batch: Sequence[Any],
                      metrics: Mapping[str, float], totals: Any) -> None:
         self.steps.append(self.batch_flops(batch))
-        self.flops += self.steps[-1]
 
     async def aclose(self) -> None:
         return None
@@ -63,6 +61,6 @@ class FlopCount:
     def report(self, train_s: float) -> dict[str, Any]:
         """Model TFLOPs per step, achieved TFLOP/s over the learner's step time, and MFU where the peak is known."""
         peak = peak_flops()
-        achieved = self.flops / train_s if train_s else 0.0
+        achieved = sum(self.steps) / train_s if train_s else 0.0
         return {"model_tflops_per_step": [f / 1e12 for f in self.steps], "learner_tflops_per_s": achieved / 1e12,
                 "learner_mfu": achieved / peak if peak else None, "mfu_passes": self.passes}

@@ -408,7 +408,6 @@ class Report:
         self.args, self.t0 = args, time.perf_counter()
         self.result = common.Result("gpu_workload", args, argv, module="bench.gpu.workload")
         self.results: dict[str, Any] = {}
-        self.current: dict[str, Any] = {}
         self.skipped: list[str] = []
         suffix = "x2" if args.layout == "2gpu" and common.device_suffix() != "cpu" else ""
         self.suffix = suffix + (f"_{args.tag}" if args.tag else "")
@@ -426,7 +425,7 @@ class Report:
         print(f"skipping {side}: it would not end before --deadline-s {self.args.deadline_s:.0f}", flush=True)
         return False
 
-    def __call__(self, _partial: Any = None) -> None:
+    def __call__(self) -> None:
         summary = summarise(self.results)
         self.result.write({"summary": summary, **self.results}, suffix=self.suffix, skipped=self.skipped)
 
