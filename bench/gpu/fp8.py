@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--kv-cache-gib", type=float, default=16.0)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    p.add_argument("--learner-on-host", action="store_true",
+                   help="publish from the learner's weights in host memory: at 7B on 80 GiB the learner, its "
+                        "snapshot, the engine's weights, their shadows and the KV cache do not fit together; the "
+                        "copy to the device is staging, before the pause, so the pause is the same")
     return p.parse_args(argv)
 
 
@@ -56,7 +60,11 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
     t0 = time.perf_counter()
     engine = await VLLMEngine.start(cfg)
     start_s = time.perf_counter() - t0
-    learner.cuda()  # after the start: vLLM's start-up wants most of the GPU free, whatever KV size it is given
+    import torch
+
+    if not args.learner_on_host:  # after the start: vLLM's start-up wants most of the GPU free, whatever KV size
+        learner.cuda()
+    torch.cuda.reset_peak_memory_stats()
     try:
         params = SamplingConfig(n=1, max_tokens=args.tokens, ignore_eos=True, seed=0)
         prompts = [tuple(range(10 + i % 50, 26 + i % 50)) for i in range(args.seqs)]
@@ -66,14 +74,18 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
         decode_s = time.perf_counter() - t1
         tokens = sum(len(s.token_ids) for samples in done for s in samples)
         sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP))
-        pauses = []
+        pauses, prepares = [], []
         for _ in range(args.syncs):
             timing = await sync.publish(state_dict_for_engine(learner))
             pauses.append(timing.total_s)
+            prepares.append(timing.prepare_s)
+        free, total = torch.cuda.mem_get_info()
         return {"quantization": quantization, "precision": str(engine.behaviour_precision),
                 "start_s": start_s, "decoded_tokens": tokens, "decode_s": decode_s,
                 "decode_tokens_per_s": tokens / decode_s, "publication_pause_s": pauses,
-                "publication_pause_median_s": statistics.median(pauses)}
+                "publication_pause_median_s": statistics.median(pauses), "publication_prepare_s": prepares,
+                "learner_on_host": args.learner_on_host, "bench_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "gpu_used_after_gib": (total - free) / 2**30}
     finally:
         learner.cpu()
         await engine.close()

@@ -39,7 +39,7 @@ for s in $STEPS; do case $s in
       --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
   fullsync) run fullsync 300 "$PY" "${W7[@]}" --sides sync --tag q7_full --steps "${SYNC_STEPS:-8}" \
       --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
-  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10;;
+  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
 esac; cp "$KEEP"/*.json "$OUT"/ 2>/dev/null; done
 grep -hE "^\[|summary:|step [0-9]+ ends|engine.* up|passed|failed|Error|skipping" "$LOG" | grep -v WARNING | tail -60

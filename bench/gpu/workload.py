@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -80,6 +81,7 @@ OPTIONAL_SIDES = ("async_fp8", "async_lora", "sync_lora", "trl_lora")  # run onl
 VARIANTS = {"": ("alone", "async", "sync"), "fp8": ("async",), "lora": ("async", "sync")}
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150,
                 "async_fp8": 150, "async_lora": 150, "sync_lora": 90, "trl_lora": 240}
+EXIT_GRACE_S = 30
 log = logging.getLogger("bench.gpu.workload")
 
 
@@ -470,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncrl.run(run_shape(args, shape, report))
     report()
     print("summary:", {k: round(v, 3) for k, v in summarise(report.results).items()}, flush=True)
+    # Everything is written. An exit that hangs (once at 7B, after the sync side, until the command's limit) ends
+    # after EXIT_GRACE_S with every thread's stack on stderr, and exit status 1, rather than spend the GPU's time.
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
     return 0
 
 

@@ -60,7 +60,7 @@ async def launch(python: str, spec: dict[str, Any], work: Path, name: str, *, pa
             spec = {**spec, "server_url": server.base_url}
             res = await asyncio.to_thread(trl_side.launch, python, spec, work, name, paths=[str(SHIM), *paths],
                                           timeout=timeout, module="bench.peers.trl_async_side",
-                                          extra_env={"CUDA_VISIBLE_DEVICES": trainer_gpu})
+                                          extra_env={"CUDA_VISIBLE_DEVICES": trainer_gpu}, keep_partial=True)
             res["server_start_s"] = started
     except Exception as exc:  # the server failed to start or died: reported, not raised
         res = {"error": f"vLLM server: {type(exc).__name__}: {exc}"}
@@ -96,7 +96,7 @@ def config(spec: dict[str, Any]) -> Any:
         dataloader_num_workers=0, disable_tqdm=True)
 
 
-def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
+def train(spec: dict[str, Any], result: dict[str, Any], t0: float, out_path: str) -> None:
     import torch
     import transformers
     import trl
@@ -112,7 +112,8 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in spec["prompts"]],
                               "answer": spec["answers"]})
     trainer = AsyncGRPOTrainer(model=spec["model_dir"], reward_funcs=countdown_reward, args=config(spec),
-                               train_dataset=data, callbacks=[step_clock(result)])
+                               train_dataset=data,
+                               callbacks=[step_clock(result, out_path, spec["n"] * spec["batch_groups"])])
     result["init_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     result["train_start"] = t1

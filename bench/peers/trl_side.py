@@ -12,7 +12,8 @@ vllm_sleep (``vllm_enable_sleep_mode``), save_model, lora (rank, alpha, target_m
 base). Trains with ``GRPOTrainer`` as a user would (transformers
 generation unless use_vllm), saves the model into out_dir (unless save_model is false) and writes RESULT:
 init_s, train_s, gen_s (time inside ``model.generate``), samples, rewards per step, completion lengths,
-step_end_s (seconds from the start of training to the end of each step), or ``error`` if TRL failed.
+step_end_s (seconds from the start of training to the end of each step), or ``error`` if TRL failed; while
+training, a snapshot of it after each step (``partial``: what a run cut short keeps).
 Self-contained: only the standard library at module level; the run in TRL's venv imports neither asyncrl nor
 anything from the project's venv.
 """
@@ -49,11 +50,14 @@ def setup_venv(python: Path) -> None:
 
 
 def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, paths: list[str],
-           timeout: float, module: str = "bench.peers.trl_side", extra_env: dict[str, str] | None = None) -> dict[
-        str, Any]:
+           timeout: float, module: str = "bench.peers.trl_side", extra_env: dict[str, str] | None = None,
+           keep_partial: bool = False) -> dict[str, Any]:
     """Run ``module`` (this one, or ``bench.peers.trl_async_side``) in TRL's interpreter ``python`` on ``spec``, with
     ``paths`` as its PYTHONPATH and ``extra_env`` over this process's environment. Returns its RESULT (or an
-    ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added."""
+    ``error`` and the tail of its stderr) with ``subprocess_wall_s`` added. A run past ``timeout`` is killed. A run
+    that ends (timeout, crash) before its final write leaves only a snapshot: with ``keep_partial`` that is returned
+    (its steps so far, ``partial``, a ``cut_short`` note), else an ``error``. Off by default: ``bench.peers.vs_trl``
+    needs a whole run (its saved model, gen_s)."""
     work.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = work / f"{name}_spec.json", work / f"{name}_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -67,19 +71,22 @@ def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, p
     env.update(extra_env or {})
     t0 = time.perf_counter()
     try:
+        # No new session: the child stays in our process group, and run() kills it on timeout (colocated vLLM
+        # runs inside it, so nothing holding the GPU outlives it).
         proc = subprocess.run([str(python), "-m", module, str(spec_path), str(out_path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
+        stderr, ended = proc.stderr, f"TRL subprocess exited {proc.returncode}"
+        missing = f"{ended} without a result"
     except subprocess.TimeoutExpired as exc:
-        return {"error": f"TRL subprocess timed out after {timeout:.0f}s", "subprocess_wall_s": timeout,
-                "stderr_tail": (exc.stderr or b"")[-3000:].decode(errors="replace")
-                if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-3000:]}
-    (work / f"{name}_stderr.log").write_text(proc.stderr[-200_000:])
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        ended = missing = f"TRL subprocess timed out after {timeout:.0f}s"
     wall = time.perf_counter() - t0
-    if out_path.exists():
-        res = json.loads(out_path.read_text())
-    else:
-        res = {"error": f"TRL subprocess exited {proc.returncode} without a result",
-               "stderr_tail": proc.stderr[-3000:]}
+    (work / f"{name}_stderr.log").write_text(stderr[-200_000:])
+    res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if res.get("partial") and keep_partial:  # the last snapshot (step_clock): the steps it ran are kept
+        res["cut_short"] = ended
+    elif not res or res.get("partial"):  # no result, or only a snapshot the caller does not take
+        res = {"error": missing, "stderr_tail": stderr[-3000:]}
     res["subprocess_wall_s"] = wall
     return res
 
@@ -129,8 +136,8 @@ def grpo_config(spec: dict[str, Any], use_cpu: bool) -> Any:
     )
 
 
-def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
-    """Train as ``spec`` says, filling ``result``."""
+def train(spec: dict[str, Any], result: dict[str, Any], t0: float, out_path: str) -> None:
+    """Train as ``spec`` says, filling ``result`` (and snapshots of it at ``out_path``: ``step_clock``)."""
     import torch
     import transformers
     import trl
@@ -160,7 +167,8 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
     data = Dataset.from_dict({"prompt": spec["prompts"], "answer": spec["answers"]})
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn(spec["reward"]),
                           args=grpo_config(spec, use_cpu=not torch.cuda.is_available()), train_dataset=data,
-                          processing_class=tok, callbacks=[step_clock(result)], peft_config=peft_config(lora))
+                          processing_class=tok, peft_config=peft_config(lora),
+                          callbacks=[step_clock(result, out_path, spec["n"] * spec["batch_groups"])])
     result["init_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     result["train_start"] = t1
@@ -191,25 +199,46 @@ def peft_config(lora: dict[str, Any] | None) -> Any:
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
-def step_clock(result: dict[str, Any]) -> Any:
+def step_clock(result: dict[str, Any], out_path: str | None = None, per_step: int = 0) -> Any:
     """A callback that records, in ``result["step_end_s"]``, when each optimiser step ended (seconds since
-    ``result["train_start"]``)."""
+    ``result["train_start"]``), and with ``out_path`` writes a snapshot there after each step's log
+    (``write_snapshot``): a run the parent kills at its timeout keeps its steps."""
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             result.setdefault("step_end_s", []).append(time.perf_counter() - result["train_start"])
 
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            # A step's log (after its on_step_end, logging_steps=1), not the end-of-run summary.
+            if out_path and logs and "reward" in logs and result.get("step_end_s"):
+                write_snapshot(result, state.log_history, per_step, out_path)
+
     return StepClock()
 
 
+def write_snapshot(result: dict[str, Any], history: list[dict[str, Any]], per_step: int, out_path: str) -> None:
+    """``result`` so far as the final RESULT has it (steps, samples, rewards, completion lengths; ``train_s`` the
+    last step's end), marked ``partial``. Written to a temporary file and renamed over ``out_path``, so a kill
+    mid-write leaves the previous snapshot whole. The final write replaces it."""
+    marks = result["step_end_s"]
+    snap = {k: v for k, v in result.items() if k != "train_start"} | {
+        "steps": len(marks), "samples": len(marks) * per_step, "train_s": marks[-1],
+        "rewards": [h["reward"] for h in history if "reward" in h],
+        "completion_length": [h.get("completions/mean_length") for h in history if "reward" in h], "partial": True}
+    tmp = Path(f"{out_path}.tmp")
+    tmp.write_text(json.dumps(snap, indent=2))
+    os.replace(tmp, out_path)
+
+
 def run_reported(train_fn: Any, spec_path: str, out_path: str, result: dict[str, Any]) -> int:
-    """Run ``train_fn(spec, result, t0)`` and write ``result``. A failure is reported, not raised: the parent
-    records what failed. A long traceback keeps its first frames (what called) and its last (where it broke)."""
+    """Run ``train_fn(spec, result, t0, out_path)`` and write ``result`` (over any snapshot of it). A failure is
+    reported, not raised: the parent records what failed. A long traceback keeps its first frames (what called)
+    and its last (where it broke)."""
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     try:
-        train_fn(spec, result, t0)
+        train_fn(spec, result, t0, out_path)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         text = traceback.format_exc()

@@ -34,6 +34,8 @@ def trl_spec(args: argparse.Namespace, model_dir: Path, name: str) -> dict[str, 
 
 
 def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
+    """A TRL run's rates, as ours. A run cut short (``partial``: its steps so far, ``train_s`` its last step's end)
+    gets them too and stays ``partial``, so ``summarise`` keeps its ratios apart."""
     if "error" in res or "train_s" not in res:
         return res
     per_step = args.batch_groups * args.n
@@ -72,7 +74,7 @@ async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict
                 spec |= {"lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "target_modules": targets},
                          "lr": args.lora_lr}
             res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
-                                          paths=trl_paths(args), timeout=args.trl_timeout)
+                                          paths=trl_paths(args), timeout=args.trl_timeout, keep_partial=True)
     res = trl_rates(args, res)
     res["gpu_peak_used_gib"] = list(memory.peak)
     res["host"] = common.host_id()

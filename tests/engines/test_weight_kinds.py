@@ -16,7 +16,7 @@ from asyncrl.engines.transports.base import check_carries
 from asyncrl.engines.transports.files import FileTransport, stage_as_files
 from asyncrl.engines.updates import (AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, UpdateKind,
                                      WeightUpdate, as_source)
-from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
+from asyncrl.engines.vllm_local.ipc import CudaIpcTransport, all_finite
 from asyncrl.engines.vllm_local.sleep import SleepControl, SleepTransport
 from asyncrl.engines.vllm_remote.nccl import NcclTransport, NcclTransportConfig
 from asyncrl.engines.weights import StagedTensors, read_manifest, stage
@@ -113,3 +113,14 @@ async def test_files_are_written_for_tensors_in_memory_and_adopted_where_already
     adopted.staged.release()
     written.staged.release()
     assert not written.staged.path.exists()
+
+
+@pytest.mark.parametrize("bad_at", [None, 0, 9, 99])
+def test_the_snapshot_finite_check_sees_every_chunk(bad_at):
+    # The CUDA IPC snapshot is checked in chunks (a whole-size mask costs 7 GiB at 7B): a NaN anywhere, the
+    # first chunk or the short last one included, is found; a clean snapshot passes.
+    flat = torch.arange(100, dtype=torch.bfloat16)
+    if bad_at is not None:
+        flat[bad_at] = float("nan") if bad_at % 2 else float("inf")
+    assert all_finite(flat, chunk=8) is (bad_at is None)
+    assert all_finite(torch.empty(0, dtype=torch.bfloat16), chunk=8)
