@@ -10,6 +10,7 @@
 #           $FULL_STEPS steps (default 24): gpu_workload_<gpu>_q7_full.json
 #   fullsync  ours, sync (the engine sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8)
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
+#           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
 # PEFT's and TRL's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh) are unpacked under /tmp. Results
 # land in $OUT: summary.txt, run.log and the JSON files.
 # Usage, from the repository root (host setup sourced first):  bash bench/gpu/run_7b.sh [BUDGET_S] [STEP...]

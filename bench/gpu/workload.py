@@ -427,6 +427,14 @@ class Report:
         print(f"skipping {side}: it would not end before --deadline-s {self.args.deadline_s:.0f}", flush=True)
         return False
 
+    def peer_timeout(self) -> float:
+        """``--trl-timeout``, cut to end EXIT_GRACE_S before ``--deadline-s``: the peer is killed and what it ran is
+        written before whatever enforces the deadline kills this process."""
+        if not self.args.deadline_s:
+            return self.args.trl_timeout
+        left = self.args.deadline_s - (time.perf_counter() - self.t0) - EXIT_GRACE_S
+        return max(1.0, min(self.args.trl_timeout, left))
+
     def __call__(self) -> None:
         summary = summarise(self.results)
         self.result.write({"summary": summary, **self.results}, suffix=self.suffix, skipped=self.skipped)
@@ -453,7 +461,7 @@ async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> Non
     for side in ("trl", "trl_sleep", "trl_async", "trl_lora"):
         if side in args.sides and side not in entry and report.fits(side):
             try:
-                entry[side] = await workload_trl.run_side(args, model_dir, side)
+                entry[side] = await workload_trl.run_side(args, model_dir, side, report.peer_timeout())
             except Exception as exc:
                 log.exception("%s failed", side)
                 entry[side] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -69,26 +70,39 @@ def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, p
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(extra_env or {})
+    log_path = work / f"{name}_stderr.log"
     t0 = time.perf_counter()
-    try:
-        # No new session: the child stays in our process group, and run() kills it on timeout (colocated vLLM
-        # runs inside it, so nothing holding the GPU outlives it).
-        proc = subprocess.run([str(python), "-m", module, str(spec_path), str(out_path)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        stderr, ended = proc.stderr, f"TRL subprocess exited {proc.returncode}"
-        missing = f"{ended} without a result"
-    except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        ended = missing = f"TRL subprocess timed out after {timeout:.0f}s"
+    # Its own session, output to a file: at the timeout the whole group goes (compile workers, a colocated engine's
+    # processes), so nothing holding the GPU outlives it, and what it printed is on disk whatever happens.
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([str(python), "-m", module, str(spec_path), str(out_path)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            ended = f"TRL subprocess exited {proc.wait(timeout=timeout)}"
+            missing = f"{ended} without a result"
+        except subprocess.TimeoutExpired:
+            ended = missing = f"TRL subprocess timed out after {timeout:.0f}s"
+        finally:
+            kill_group(proc)
     wall = time.perf_counter() - t0
-    (work / f"{name}_stderr.log").write_text(stderr[-200_000:])
+    stderr = log_path.read_text(errors="replace")[-3000:]
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
     if res.get("partial") and keep_partial:  # the last snapshot (step_clock): the steps it ran are kept
         res["cut_short"] = ended
     elif not res or res.get("partial"):  # no result, or only a snapshot the caller does not take
-        res = {"error": missing, "stderr_tail": stderr[-3000:]}
+        res = {"error": missing, "stderr_tail": stderr}
     res["subprocess_wall_s"] = wall
     return res
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc``'s process group (it leads its own session) and reap it: whatever it started goes with it,
+    and a group already gone is no error. Also on the way out of an exception (a cancelled wait)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 # ------------------------------------------------------------------------------------ TRL's side (its venv)

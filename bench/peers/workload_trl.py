@@ -46,9 +46,9 @@ def trl_rates(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
     return {**res, **rates(marks, per_step, tokens, res["train_s"], args.skip_steps)}
 
 
-async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict[str, Any]:
-    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``, ``trl_lora``), its rates and peak GPU memory
-    added."""
+async def run_side(args: argparse.Namespace, model_dir: Path, side: str, timeout: float) -> dict[str, Any]:
+    """One of TRL's sides (``trl``, ``trl_sleep``, ``trl_async``, ``trl_lora``), killed after ``timeout`` seconds
+    (what it ran by then is kept, ``partial``), its rates and peak GPU memory added."""
     from bench.peers import trl_async_side, trl_side
 
     memory = watch(args)
@@ -63,7 +63,7 @@ async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict
             server += (["--dtype", "float32", "--enforce-eager"] if args.cpu_smoke else
                        ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))])
             res = await trl_async_side.launch(args.trl_python, spec, work, side, paths=trl_paths(args),
-                                              timeout=args.trl_timeout, server_gpu="1", trainer_gpu="0",
+                                              timeout=timeout, server_gpu="1", trainer_gpu="0",
                                               server_args=server)
         else:
             spec["vllm_sleep"] = side == "trl_sleep"
@@ -74,7 +74,7 @@ async def run_side(args: argparse.Namespace, model_dir: Path, side: str) -> dict
                 spec |= {"lora": {"rank": args.lora_rank, "alpha": args.lora_alpha, "target_modules": targets},
                          "lr": args.lora_lr}
             res = await asyncio.to_thread(trl_side.launch, args.trl_python, spec, work, side,
-                                          paths=trl_paths(args), timeout=args.trl_timeout, keep_partial=True)
+                                          paths=trl_paths(args), timeout=timeout, keep_partial=True)
     res = trl_rates(args, res)
     res["gpu_peak_used_gib"] = list(memory.peak)
     res["host"] = common.host_id()

@@ -37,6 +37,10 @@ def section(path: Path) -> list[str]:
     meta = (f"`{doc.get('command', '?')}` · {machine} · load {num(load[0], 1)} -> {num(load[1], 1)} · "
             f"{str(doc.get('date', '?'))[:10]} · vLLM {v.get('vllm')}, torch {v.get('torch')}"
             + (f" · commit {doc['commit'][:8]}" if doc.get("commit") else ""))
+    # A file continued by --resume: the commands that wrote its other sides, earliest first.
+    earlier = [f"`{c['command']}` ({str(c.get('date'))[:16]})" for c in doc.get("continues") or [] if c.get("command")]
+    if earlier:
+        meta += "\n\nContinuing the file the earlier commands wrote: " + "; ".join(earlier) + "."
     return [f"## {title}: `{path.relative_to(common.ROOT)}`", "", what, "", meta, "", *fmt(results_of(doc)),
             *repeat_line(name, path), ""]
 

@@ -63,10 +63,31 @@ def seven_b_block(results_dir: Path) -> str:
             f"{pct(side['learner_mfu'])}, mean reward {num(statistics.mean(side['rewards']), 3)}, groups dropped as "
             f"stale {side['dropped'].get('stale', 0)} ({side['dropped'].get('unused_at_shutdown', 0)} left unused at "
             f"shutdown); policy planted in {num(warm['seconds'], 0)} s ({source}).")
+        sync = r[SHAPE]["ours"].get("sync_lora")
         log = path.with_name(path.stem + "_run.log")
-        if log.is_file() and "sync_lora" not in r[SHAPE]["ours"]:
+        if sync and not sync.get("partial"):
+            lines.append(sync_line(sync, side, r.get("summary", {})))
+        elif log.is_file():
             lines.append(sync_from_log(log, side))
     return "\n".join(lines) or "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
+
+
+def sync_line(sync: dict[str, Any], async_side: dict[str, Any], summary: dict[str, float]) -> str:
+    """The sync side measured whole, its ratio, and what bounds the ratio: the share of sync's wall spent
+    generating (hiding the learner entirely saves at most the rest), and the engine's rate on each side."""
+    ratio = summary[f"{SHAPE}/async_lora_over_sync_lora_tokens"]
+    where = "the same machine" if sync.get("host") == async_side.get("host") else "another machine"
+    apart = abs(async_side["trained_len_mean"] / sync["trained_len_mean"] - 1)
+    return (f"  Sync, the same engine on {where}: {num(sync['completion_tokens_per_s'], 0)} trained completion "
+            f"tokens/s (mean length {num(sync['trained_len_mean'], 0)}), learner MFU {pct(sync['learner_mfu'])}, "
+            f"mean reward {num(statistics.mean(sync['rewards']), 3)}: async ran **x{num(ratio)}** sync's trained "
+            f"tokens/s (x{num(summary[f'{SHAPE}/async_lora_over_sync_lora'])} samples/s), trained mean lengths "
+            f"{pct(apart)} apart. Sync spent {num(sync['gen_s'], 0)} of its {num(sync['wall_s'], 0)} s generating "
+            f"({pct(sync['gen_s'] / sync['wall_s'])}) and {num(sync['learner_train_s'], 0)} s training: hiding the "
+            f"learner alone gives at most x{num(sync['wall_s'] / sync['gen_s'])}. The rest is the engine kept full: "
+            f"sync's made {num(sync['tokens_generated'] / sync['gen_s'], 0)} tokens/s while it generated (each "
+            f"step waits for its longest answer), async's {num(async_side['generated_tokens_per_s'], 0)} over the "
+            f"whole run, beside the learner.")
 
 
 def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:

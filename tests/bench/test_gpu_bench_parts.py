@@ -167,3 +167,17 @@ def test_the_llama_shape_plants_the_same_table(tmp_path, monkeypatch):
     with torch.no_grad():
         greedy = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].argmax(-1)
     assert greedy.tolist() == ids[len(prompt):]
+
+
+def test_the_peer_is_killed_before_the_deadline_with_room_to_write(tmp_path):
+    """TRL's timeout is cut to end ``EXIT_GRACE_S`` before ``--deadline-s`` (counted from the run's start), so its
+    partial steps are written before the command's own limit kills the run; without a deadline it stands."""
+    from bench.gpu.workload import EXIT_GRACE_S, Report, parse_args
+
+    args = parse_args(["--out", str(tmp_path), "--cpu-smoke", "--trl-timeout", "500", "--deadline-s", "300"])
+    report = Report(args, None)
+    assert 300 - EXIT_GRACE_S - 5 < report.peer_timeout() <= 300 - EXIT_GRACE_S
+    report.t0 -= 400  # past the deadline: the least timeout, not a negative one
+    assert report.peer_timeout() == 1.0
+    report.args = parse_args(["--out", str(tmp_path), "--cpu-smoke", "--trl-timeout", "500"])
+    assert report.peer_timeout() == 500

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,8 +55,24 @@ def test_a_run_killed_at_its_timeout_returns_its_snapshot(tmp_path):
     assert res["steps"] == 2 and res["samples"] == 16 and res["train_s"] == 2.0 and res["subprocess_wall_s"] >= 10
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(res["pid"], 0)
+    assert gone(res["child_pid"]), "what the run started went with it"
     rated = trl_rates(ARGS, res)
     assert rated["partial"] is True and rated["samples_per_s"] == 8.0
+
+
+def gone(pid: int, within_s: float = 30.0) -> bool:
+    """Whether ``pid`` is dead: no such process, or a zombie not yet reaped by init (which may be slow to). The
+    kill is already sent when this is asked; the wait is for the reaping."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_snapshot_alone_is_an_error_unless_the_caller_keeps_partial_runs(tmp_path):
