@@ -480,11 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         asyncrl.run(run_shape(args, shape, report))
     report()
     print("summary:", {k: round(v, 3) for k, v in summarise(report.results).items()}, flush=True)
-    # Everything is written. An exit that hangs (once at 7B, after the sync side, until the command's limit) ends
-    # after EXIT_GRACE_S with every thread's stack on stderr, and exit status 1, rather than spend the GPU's time.
-    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written. An exit that hangs (once at 7B, after the sync side, until the command's limit) ends
+    # after EXIT_GRACE_S with every thread's stack on stderr, and exit status 1, rather than spend the GPU's time.
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+    sys.exit(code)
