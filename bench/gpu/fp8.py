@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 async def one_engine(args: Any, model_dir: Path, quantization: str | None, learner: Any) -> dict[str, Any]:
     """Start an engine in one precision, decode, publish ``--syncs`` times; its figures."""
+    import torch
+
     from asyncrl import SyncConfig, VersionClock, WeightSync
     from asyncrl.config import SamplingConfig
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
@@ -60,8 +62,6 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
     t0 = time.perf_counter()
     engine = await VLLMEngine.start(cfg)
     start_s = time.perf_counter() - t0
-    import torch
-
     if not args.learner_on_host:  # after the start: vLLM's start-up wants most of the GPU free, whatever KV size
         learner.cuda()
     torch.cuda.reset_peak_memory_stats()

@@ -124,8 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=0, help="skip sides that would end past this (0: none)")
     p.add_argument("--tag", default="", help="appended to the result file's name (gpu_workload_h200_TAG.json)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the result file of the same name: its sides are kept, not run again (a run too "
-                        "long for one command goes on in the next, on the same machine: each side records it)")
+                   help="continue the result file of the same name: its whole sides are kept, not run again, and "
+                        "a side cut short (partial) runs again (a run too long for one command goes on in the "
+                        "next, on the same machine: each side records it)")
     p.add_argument("--learner-dtype", default="float32", help="the learner's weights (full fine-tuning)")
     p.add_argument("--optimizer", choices=("adamw", "adamw_bf16"), default="adamw",
                    help="LearnerConfig.optimizer (adamw_bf16 for bf16 weights)")
@@ -459,7 +460,7 @@ async def run_shape(args: argparse.Namespace, shape: str, report: Report) -> Non
             if r:
                 print(f"[{shape}] ours {side}{'_' + variant if variant else ''}: {describe(r)}", flush=True)
     for side in ("trl", "trl_sleep", "trl_async", "trl_lora"):
-        if side in args.sides and side not in entry and report.fits(side):
+        if side in args.sides and (side not in entry or entry[side].get("partial")) and report.fits(side):
             try:
                 entry[side] = await workload_trl.run_side(args, model_dir, side, report.peer_timeout())
             except Exception as exc:
