@@ -11,6 +11,7 @@
 #   fullsync  ours, sync (the engine sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8)
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
 #           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
+#   optim   python -m bench.gpu.optimizer at the 7B shape: adamw_bf16's step beside torch's fused AdamW
 # PEFT's and TRL's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh) are unpacked under /tmp. Results
 # land in $OUT: summary.txt, run.log and the JSON files.
 # Usage, from the repository root (host setup sourced first):  bash bench/gpu/run_7b.sh [BUDGET_S] [STEP...]
@@ -41,6 +42,7 @@ for s in $STEPS; do case $s in
   fullsync) run fullsync 300 "$PY" "${W7[@]}" --sides sync --tag q7_full --steps "${SYNC_STEPS:-8}" \
       --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
   fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host;;
+  optim) run optim 60 "$PY" -m bench.gpu.optimizer --out "$KEEP" --shape qwen2.5-7b;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
 esac; cp "$KEEP"/*.json "$OUT"/ 2>/dev/null; done
 grep -hE "^\[|summary:|step [0-9]+ ends|engine.* up|passed|failed|Error|skipping" "$LOG" | grep -v WARNING | tail -60
