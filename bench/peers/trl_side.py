@@ -20,10 +20,10 @@ anything from the project's venv.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -72,18 +72,18 @@ def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, p
     env.update(extra_env or {})
     log_path = work / f"{name}_stderr.log"
     t0 = time.perf_counter()
-    # Its own session, output to a file: at the timeout the whole group goes (compile workers, a colocated engine's
-    # processes), so nothing holding the GPU outlives it, and what it printed is on disk whatever happens.
+    # Output to a file, so what it printed is on disk whatever happens. It stays in our process group, so whatever
+    # kills that group (a command's watchdog) kills it too; at its own timeout kill_tree takes what it started.
     with log_path.open("w") as log:
         proc = subprocess.Popen([str(python), "-m", module, str(spec_path), str(out_path)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT)
         try:
             ended = f"TRL subprocess exited {proc.wait(timeout=timeout)}"
             missing = f"{ended} without a result"
         except subprocess.TimeoutExpired:
             ended = missing = f"TRL subprocess timed out after {timeout:.0f}s"
         finally:
-            kill_group(proc)
+            kill_tree(proc)
     wall = time.perf_counter() - t0
     stderr = log_path.read_text(errors="replace")[-3000:]
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
@@ -95,13 +95,22 @@ def launch(python: Path | str, spec: dict[str, Any], work: Path, name: str, *, p
     return res
 
 
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """Kill ``proc``'s process group (it leads its own session) and reap it: whatever it started goes with it,
-    and a group already gone is no error. Also on the way out of an exception (a cancelled wait)."""
+def kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """Kill ``proc`` and every process under it (compile workers, a colocated engine's processes), so nothing
+    holding the GPU outlives it, and reap it. The descendants are listed first: once ``proc`` dies they would
+    belong to init. Also on the way out of an exception (a cancelled wait)."""
+    import psutil
+
+    if proc.poll() is not None:  # it ended by itself, reaped: its pid may name another process by now
+        return
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.kill()
     proc.wait()
 
 
