@@ -77,7 +77,8 @@ async def test_a_replay_from_the_first_checkpoint_ends_on_the_run_s_weights(vllm
 
     changed = dataclasses.replace(logged_loss_config(log_dir), correction=Correction.M2PO, m2_threshold=0.0)
     other = replay(log_dir, first, model=load_hf_model(tiny_model_dir), loss_config=changed)
-    assert other.last_step == STEPS and any(m["loss/is_masked_frac"] > 0 for m in other.metrics)
+    # A step whose two groups both scored alike (1 in 64 here) trains nothing and reports no loss gauges.
+    assert other.last_step == STEPS and any(m.get("loss/is_masked_frac", 0.0) > 0 for m in other.metrics)
     assert max_diff(other.model.state_dict(), final) > 0, "another correction ends elsewhere"
 
     png = plot_log(log_dir, logged_run / "run.png")
