@@ -103,7 +103,7 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float, out_path: str
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from bench.peers.trl_side import step_clock
+    from bench.peers.trl_side import step_clock, step_figures
 
     import kernels  # the stand-in (see the module docstring)
 
@@ -120,11 +120,8 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float, out_path: str
     trainer.train()
     result["train_s"] = time.perf_counter() - t1
     del result["train_start"]
-    result["steps"] = trainer.state.global_step
-    result["samples"] = trainer.state.global_step * spec["n"] * spec["batch_groups"]
     history = trainer.state.log_history
-    result["rewards"] = [h["reward"] for h in history if "reward" in h]
-    result["completion_length"] = [h.get("completions/mean_length") for h in history if "reward" in h]
+    result.update(step_figures(history, trainer.state.global_step, spec["n"] * spec["batch_groups"]))
     result["log_keys"] = sorted({k for h in history for k in h})
     result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 

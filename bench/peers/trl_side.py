@@ -199,11 +199,8 @@ def train(spec: dict[str, Any], result: dict[str, Any], t0: float, out_path: str
     result["train_s"] = time.perf_counter() - t1
     del result["train_start"]
     result["gen_s"] = gen_s[0]
-    result["steps"] = trainer.state.global_step
-    result["samples"] = trainer.state.global_step * spec["n"] * spec["batch_groups"]
-    result["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    result["completion_length"] = [h.get("completions/mean_length") for h in trainer.state.log_history
-                                   if "reward" in h]
+    result.update(step_figures(trainer.state.log_history, trainer.state.global_step,
+                               spec["n"] * spec["batch_groups"]))
     model.generate = generate
     if torch.cuda.is_available():
         result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -222,10 +219,10 @@ def peft_config(lora: dict[str, Any] | None) -> Any:
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
-def step_clock(result: dict[str, Any], out_path: str | None = None, per_step: int = 0) -> Any:
+def step_clock(result: dict[str, Any], out_path: str, per_step: int) -> Any:
     """A callback that records, in ``result["step_end_s"]``, when each optimiser step ended (seconds since
-    ``result["train_start"]``), and with ``out_path`` writes a snapshot there after each step's log
-    (``write_snapshot``): a run the parent kills at its timeout keeps its steps."""
+    ``result["train_start"]``), and writes a snapshot at ``out_path`` after each step's log (``write_snapshot``): a
+    run the parent kills at its timeout keeps its steps."""
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
@@ -234,10 +231,18 @@ def step_clock(result: dict[str, Any], out_path: str | None = None, per_step: in
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             # A step's log (after its on_step_end, logging_steps=1), not the end-of-run summary.
-            if out_path and logs and "reward" in logs and result.get("step_end_s"):
+            if logs and "reward" in logs and result.get("step_end_s"):
                 write_snapshot(result, state.log_history, per_step, out_path)
 
     return StepClock()
+
+
+def step_figures(history: list[dict[str, Any]], steps: int, per_step: int) -> dict[str, Any]:
+    """What a run's ``steps`` say, with the per-step figures from TRL's log history: samples, rewards, mean
+    completion lengths. The final RESULT and every snapshot take them from here."""
+    logged = [h for h in history if "reward" in h]
+    return {"steps": steps, "samples": steps * per_step, "rewards": [h["reward"] for h in logged],
+            "completion_length": [h.get("completions/mean_length") for h in logged]}
 
 
 def write_snapshot(result: dict[str, Any], history: list[dict[str, Any]], per_step: int, out_path: str) -> None:
@@ -245,10 +250,8 @@ def write_snapshot(result: dict[str, Any], history: list[dict[str, Any]], per_st
     last step's end), marked ``partial``. Written to a temporary file and renamed over ``out_path``, so a kill
     mid-write leaves the previous snapshot whole. The final write replaces it."""
     marks = result["step_end_s"]
-    snap = {k: v for k, v in result.items() if k != "train_start"} | {
-        "steps": len(marks), "samples": len(marks) * per_step, "train_s": marks[-1],
-        "rewards": [h["reward"] for h in history if "reward" in h],
-        "completion_length": [h.get("completions/mean_length") for h in history if "reward" in h], "partial": True}
+    snap = {k: v for k, v in result.items() if k != "train_start"} | step_figures(history, len(marks), per_step) | {
+        "train_s": marks[-1], "partial": True}
     tmp = Path(f"{out_path}.tmp")
     tmp.write_text(json.dumps(snap, indent=2))
     os.replace(tmp, out_path)

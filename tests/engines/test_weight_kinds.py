@@ -16,10 +16,10 @@ from asyncrl.engines.transports.base import check_carries
 from asyncrl.engines.transports.files import FileTransport, stage_as_files
 from asyncrl.engines.updates import (AdapterWeights, InMemory, ShardedBuckets, StagedDirectory, UpdateKind,
                                      WeightUpdate, as_source)
-from asyncrl.engines.vllm_local.ipc import CudaIpcTransport, all_finite
+from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
 from asyncrl.engines.vllm_local.sleep import SleepControl, SleepTransport
 from asyncrl.engines.vllm_remote.nccl import NcclTransport, NcclTransportConfig
-from asyncrl.engines.weights import StagedTensors, read_manifest, stage
+from asyncrl.engines.weights import StagedTensors, all_finite, read_manifest, stage
 from asyncrl.errors import WeightUpdateError
 from asyncrl.lora.config import LoraConfig
 

@@ -18,7 +18,7 @@ import torch
 
 from asyncrl.engines.transports.base import FULL_ONLY, Transport
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
-from asyncrl.engines.weights import ParamSpec, check_specs, first_non_finite, validate_update
+from asyncrl.engines.weights import ParamSpec, all_finite, check_specs, first_non_finite, validate_update
 from asyncrl.errors import EngineError, WeightUpdateError
 
 Rpc = Callable[..., Awaitable[Any]]  # rpc(method, *args): a collective call on the engine's workers
@@ -61,17 +61,11 @@ async def pack_update(update: WeightUpdate, manifest: Mapping[str, ParamSpec], d
     first = next(iter(tensors.values())) if specs is None else None
     device = first.device if first is not None and first.is_cuda else torch.device("cuda", torch.cuda.current_device())
     flat, payload = await asyncio.to_thread(pack_for_ipc, tensors, dtype, device, specs)
-    if not all_finite(flat):
+    if not all_finite(flat):  # one pass over the snapshot instead of one per tensor
         del flat
         free_snapshot()
         raise WeightUpdateError(f"parameter {first_non_finite(tensors)}: contains NaN or infinite values")
     return flat, payload
-
-
-def all_finite(flat: torch.Tensor, chunk: int = 1 << 28) -> bool:
-    """Whether ``flat`` holds no NaN or inf: one pass over the snapshot instead of one per tensor, in chunks, since a
-    mask of the whole would cost a byte a parameter (7 GiB at 7B, enough to fail beside an engine on 80 GiB)."""
-    return bool(torch.stack([torch.isfinite(part).all() for part in flat.split(chunk)]).all())
 
 
 def free_snapshot() -> None:
