@@ -7,7 +7,7 @@
 #   lorasync  ours, sync, the same, into the same file (async and sync together outlast one command at 7B)
 #   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
 #   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
-#           $FULL_STEPS steps (default 24): gpu_workload_<gpu>_q7_full.json
+#           $FULL_STEPS steps (default 24) of 4 groups, answers of mean 256: gpu_workload_<gpu>_q7_full.json
 #   fullsync  ours, sync (the engine sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8)
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
 #           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
@@ -31,16 +31,20 @@ TRL_SHARE=$("$PY" -c "import torch; print(round((14.2 + 10 + 4) * 2**30 / torch.
 W7=(-m bench.gpu.workload --out "$KEEP" --shapes qwen2.5-7b --max-answer 4096 --mean-answer 512 --max-tokens 4100
     --kv-cache-gib 10 --micro-batch-tokens 32768 --memory-budget-gib 50 --no-engine-compile --resume
     --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
+# Full fine-tuning: 57 GiB of weights, gradients and bf16 AdamW states alone, so the learner's budget is 80 GiB
+# (engine 28 + learner 80 + the 14.2 GiB publication snapshot fit a 141 GiB H200). 24 steps of 8 groups of
+# ~950-token answers take ~23 s each at 7B, past one command; 4 groups of answers of mean 256 fit.
+FULL=(--tag q7_full --learner-dtype bfloat16 --optimizer adamw_bf16 --memory-budget-gib 80 --batch-groups 4
+      --mean-answer 256)
 deadline() { echo $(( $(left) - 25 )); }
 for s in $STEPS; do case $s in
   lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora --tag q7 --deadline-s "$(deadline)";;
   lorasync) run lorasync 300 "$PY" "${W7[@]}" --sides sync_lora --tag q7 --deadline-s "$(deadline)";;
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;
-  full) run full 300 "$PY" "${W7[@]}" --sides async --tag q7_full --steps "${FULL_STEPS:-24}" \
-      --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
-  fullsync) run fullsync 300 "$PY" "${W7[@]}" --sides sync --tag q7_full --steps "${SYNC_STEPS:-8}" \
-      --learner-dtype bfloat16 --optimizer adamw_bf16 --deadline-s "$(deadline)";;
+  full) run full 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides async --steps "${FULL_STEPS:-24}" --deadline-s "$(deadline)";;
+  fullsync) run fullsync 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides sync --steps "${SYNC_STEPS:-8}" \
+      --deadline-s "$(deadline)";;
   fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host;;
   optim) run optim 60 "$PY" -m bench.gpu.optimizer --out "$KEEP" --shape qwen2.5-7b;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
