@@ -249,7 +249,8 @@ class LearnerConfig:
 
     @property
     def compiled(self) -> bool:
-        """Whether anything is compiled: either option compiles the log-prob head's chunk maths."""
+        """Whether anything is compiled: either option compiles the log-prob head's chunk maths, and
+        ``adamw_bf16``'s update."""
         return self.compile_elementwise or self.compile_layers
 
 

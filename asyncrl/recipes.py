@@ -171,11 +171,13 @@ def default_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.op
     that require grad (all of them in full fine-tuning; the adapter's alone with LoRA, so the frozen base holds no
     optimiser state). "adamw": torch's AdamW, on a GPU its fused kernel, one launch per step for all parameters
     rather than a handful per parameter group and operation. "adamw_bf16": ``StochasticAdamW``, seeded from
-    torch's seed (``torch.manual_seed``), so a seeded run reproduces its rounding too."""
+    torch's seed (``torch.manual_seed``), so a seeded run reproduces its rounding too, and compiled when the
+    learner compiles (``LearnerConfig.compiled``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameter that requires grad: nothing to train")
     if config.optimizer == "adamw_bf16":
-        return StochasticAdamW(params, lr=config.lr, weight_decay=config.weight_decay, seed=torch.initial_seed())
+        return StochasticAdamW(params, lr=config.lr, weight_decay=config.weight_decay, seed=torch.initial_seed(),
+                               compiled=config.compiled)
     on_gpu = any(p.is_cuda for p in params)
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)

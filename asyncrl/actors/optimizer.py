@@ -22,6 +22,7 @@ enough too), and the chunk size, or the device, changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
@@ -44,14 +45,16 @@ _LOW16 = -(1 << 16)  # int32 mask keeping a float32's sign, exponent and 7 manti
 _MULTIPLIERS = (0x6C1B838F, 0x6E13EDB5, 0x49400E3F)
 
 
-def random_bits(key: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def random_bits(key: int | torch.Tensor, start: int | torch.Tensor, count: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
     """16 random bits (int32 in [0, 2**16)) for elements ``start .. start + count`` of a tensor, under ``key``.
 
     Element ``i`` gets ``mix((i * A + key) mod 2**32)``'s top 16 bits, ``mix`` a bijection of 32-bit values
     (xor-shifts and odd multiplications). For a key drawn uniformly, ``i * A + key`` is uniform, so each
-    element's bits are exactly uniform: rounding with them is unbiased element by element."""
+    element's bits are exactly uniform: rounding with them is unbiased element by element. ``key`` and ``start``
+    may be int64 scalar tensors on ``device``: the compiled update takes them so, to compile once for all."""
     a, b, c = _MULTIPLIERS
-    x = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    x = torch.arange(count, dtype=torch.int64, device=device).add_(start)
     x.mul_(a).add_(key).bitwise_and_(_MASK32)
     for m, shift in ((b, 16), (c, 15)):  # int64 throughout: no product overflows
         x.bitwise_xor_(x >> shift).mul_(m).bitwise_and_(_MASK32)
@@ -66,7 +69,7 @@ def stochastic_round(x: torch.Tensor, key: int, start: int = 0) -> torch.Tensor:
     return _rounded(x, key, start).to(torch.bfloat16)  # exact: the dropped bits are zero
 
 
-def _rounded(x: torch.Tensor, key: int, start: int) -> torch.Tensor:
+def _rounded(x: torch.Tensor, key: int | torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
     """``stochastic_round`` still in float32, its low 16 bits zero (a bfloat16 value, which ``copy_`` into a
     bfloat16 tensor converts exactly)."""
     if x.dtype != torch.float32:
@@ -97,17 +100,27 @@ class StochasticAdamW(torch.optim.Optimizer):
     ``seed`` fixes the rounding's randomness: the same seed, parameters and gradients give the same weights,
     whatever ``chunk_elements`` or the device. It is kept in each parameter group, so ``state_dict()`` carries it.
     Shards of one parameter on different ranks draw different bits; replicated parameters draw the same, so
-    replicas stay identical."""
+    replicas stay identical.
+
+    ``compiled``: bfloat16 parameters are updated by one ``torch.compile``d function (dynamic shapes; its
+    coefficients, keys and offsets passed as tensors, so it compiles once, not every step). Eager, each chunk is
+    about forty launches and as many passes over memory, most of them the rounding's int64 hash: at 7B on an H100
+    a step took 59 times torch's fused AdamW. Compiled, the same maths runs fused; its float32 arithmetic may
+    round differently from eager's in the last place, so a run keeps one setting (the seed's reproducibility
+    holds within it). Float32 parameters keep the eager, exact update."""
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 seed: int = 0, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+                 seed: int = 0, chunk_elements: int = CHUNK_ELEMENTS, compiled: bool = False) -> None:
         for name, value, ok in (("lr", lr, lr >= 0), ("eps", eps, eps >= 0), ("weight_decay", weight_decay,
                                 weight_decay >= 0), ("betas", betas, all(0 <= b < 1 for b in betas)),
                                 ("chunk_elements", chunk_elements, chunk_elements >= 1), ("seed", seed, seed >= 0)):
             if not ok:
                 raise ValueError(f"StochasticAdamW {name}={value!r} is out of range")
         self.chunk_elements = chunk_elements
+        self.compiled = compiled
+        # The compiled update, made once per optimiser: dynamic, so chunks of every length share one graph.
+        self._fused = torch.compile(_adamw_chunk_fused, dynamic=True, fullgraph=True) if compiled else None
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                                   "seed": seed})
 
@@ -156,9 +169,18 @@ class StochasticAdamW(torch.optim.Optimizer):
         tensors = [_local(x) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
         work = [x if x.is_contiguous() else x.contiguous() for x in tensors]  # chunks are slices of a flat view
         flat = [x.view(-1) for x in work]
+        fused = self._fused if p.dtype in ROUNDED else None
+        if fused is not None:
+            device = flat[0].device
+            coefficients = torch.tensor(dataclasses.astuple(c), dtype=torch.float32, device=device)
+            key_tensor = torch.tensor(keys, dtype=torch.int64, device=device)
         for start in range(0, flat[0].numel(), self.chunk_elements):
             end = start + self.chunk_elements
-            _adamw_chunk(*(x[start:end] for x in flat), c, keys, start)
+            if fused is not None:
+                fused(*(x[start:end] for x in flat), coefficients, key_tensor,
+                      torch.tensor(start, dtype=torch.int64, device=device))
+            else:
+                _adamw_chunk(*(x[start:end] for x in flat), c, keys, start)
         for x, w in zip(tensors, work, strict=True):
             if w is not x:
                 x.copy_(w)
@@ -183,6 +205,19 @@ def _adamw_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     _store(m, m32, keys[1], start)
     del m32
     _store(p, p32, keys[0], start)
+
+
+def _adamw_chunk_fused(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                       coefficients: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
+    """``_adamw_chunk`` for bfloat16 tensors, written to be compiled: the scalars are tensors (``_Coefficients``
+    in order; the three keys; the chunk's offset), the maths out of place so the compiler fuses it."""
+    beta1, beta2, eps, decay, step_size, bc2_sqrt = coefficients.unbind()
+    g32 = g.float()
+    m32 = torch.lerp(m.float(), g32, 1 - beta1)
+    v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
+    p32 = p.float() * decay - m32 / (v32.sqrt() / bc2_sqrt + eps) * step_size
+    for dst, value, key in ((v, v32, keys[2]), (m, m32, keys[1]), (p, p32, keys[0])):
+        dst.copy_(_rounded(value, key, start))
 
 
 def _store(dst: torch.Tensor, value: torch.Tensor, key: int, start: int) -> None:

@@ -64,14 +64,15 @@ def test_random_bits_are_uniform_uncorrelated_and_chunk_independent() -> None:
     assert not torch.equal(random_bits(2025, 0, 1000), bits[:1000])
 
 
-def test_updates_below_half_a_spacing_move_the_mean_along_the_float32_trajectory() -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_updates_below_half_a_spacing_move_the_mean_along_the_float32_trajectory(compiled: bool) -> None:
     torch.manual_seed(0)
     start = (1.0 + torch.rand(8192) * 0.5).to(torch.bfloat16)
     lr, steps = 1e-4, 100  # an Adam step moves ~lr, 1/78 of a spacing in [1, 2): rounded to nearest, nothing moves
     params = {name: torch.nn.Parameter(start.clone()) for name in ("torch", "stochastic")}
     exact = torch.nn.Parameter(start.float())
     optimizers = [torch.optim.AdamW([params["torch"]], lr=lr, weight_decay=0.0),
-                  StochasticAdamW([params["stochastic"]], lr=lr, weight_decay=0.0, seed=3),
+                  StochasticAdamW([params["stochastic"]], lr=lr, weight_decay=0.0, seed=3, compiled=compiled),
                   torch.optim.AdamW([exact], lr=lr, weight_decay=0.0)]
     for _ in range(steps):
         for p in (*params.values(), exact):
@@ -195,6 +196,28 @@ def test_chunk_size_and_layout_change_nothing_and_the_seed_does() -> None:
     assert not all(torch.equal(p, q) for p, q in zip(results[0], other, strict=True))
 
 
+def test_the_compiled_update_is_the_eager_one_and_compiles_once_for_every_step() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # another test's compiled graph would serve this one's first step
+    counters.clear()
+    results, graphs = [], []
+    for compiled in (False, True):
+        params = bf16_params()
+        opt = StochasticAdamW(params, lr=1e-3, seed=5, chunk_elements=64, compiled=compiled)
+        train(params, opt, steps=1)  # every chunk length (64, and the three last chunks) seen once
+        graphs.append(counters["stats"]["unique_graphs"])
+        train(params, opt, steps=3)
+        graphs.append(counters["stats"]["unique_graphs"])
+        results.append([t.detach().clone() for p in params for t in (p, opt.state[p]["exp_avg"])])
+    assert graphs[:2] == [0, 0] and graphs[3] == graphs[2] > 0  # compiled in its first step, then never again
+    assert not any(torch.equal(p, s) for p, s in zip(results[1][::2], bf16_params(), strict=True))  # it trained
+    for eager, fused in zip(*results, strict=True):
+        # Float32 arithmetic fused may differ in the last place, and a rounding then land on the other neighbour.
+        assert (eager == fused).float().mean().item() > 0.99
+        assert torch.allclose(eager.float(), fused.float(), rtol=2 ** -7, atol=1e-6)
+
+
 async def test_the_checkpoint_store_resumes_the_run_bit_for_bit(tmp_path: Path) -> None:
     from asyncrl.checkpoint import CheckpointConfig, Checkpointer, TrainingState, restore
     from asyncrl.counters import GroupTotals
@@ -260,7 +283,8 @@ def test_fsdp2_shards_train_as_the_plain_model_and_resume_from_a_sharded_checkpo
 def test_the_config_chooses_and_the_optimiser_refuses_what_it_cannot_keep() -> None:
     model = torch.nn.Linear(4, 4).bfloat16()
     chosen = default_optimizer(model, LearnerConfig(optimizer="adamw_bf16", lr=2e-6, weight_decay=0.01))
-    assert isinstance(chosen, StochasticAdamW)
+    assert isinstance(chosen, StochasticAdamW) and not chosen.compiled
+    assert default_optimizer(model, LearnerConfig(optimizer="adamw_bf16", compile_elementwise=True)).compiled
     assert chosen.param_groups[0]["lr"] == 2e-6 and chosen.param_groups[0]["weight_decay"] == 0.01
     assert type(default_optimizer(model, LearnerConfig())) is torch.optim.AdamW  # bf16 under "adamw": allowed
     assert isinstance(default_optimizer(torch.nn.Linear(2, 2), LearnerConfig(optimizer="adamw_bf16")),
