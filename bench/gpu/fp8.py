@@ -13,6 +13,7 @@ round starting both engines afresh, so drift on the host (clocks, other tenants)
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p = parser(__doc__)
     p.add_argument("--shape", default="qwen2-1.5b", help="a bench.gpu.countdown shape")
     p.add_argument("--seqs", type=int, default=256, help="sequences decoded at once")
+    p.add_argument("--also-seqs", default="",
+                   help="more concurrencies to decode at on the same engines, comma-separated (FP8 weights save "
+                        "bandwidth: they pay most where decode is bound by reading the weights, at few sequences)")
     p.add_argument("--tokens", type=int, default=512, help="tokens decoded per sequence (ignore_eos)")
     p.add_argument("--syncs", type=int, default=3, help="publications timed per engine")
     p.add_argument("--rounds", type=int, default=1)
@@ -57,8 +61,9 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
                            max_model_len=64 * -(-(args.tokens + 64) // 64), max_num_seqs=args.seqs,
                            kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager, seed=0,
                            # With the KV size given in bytes, vLLM 0.26 still refuses to start unless this share
-                           # of the GPU is free (its default, 0.92, failed here with 125.6 of 139.8 GiB free).
-                           extra={"gpu_memory_utilization": 0.8})
+                           # of the GPU is free (its default, 0.92, failed with 125.6 of 139.8 GiB free on an H200;
+                           # 0.8 with 62.6 of 79.2 GiB free on an H100, beside this process's CUDA context).
+                           extra={"gpu_memory_utilization": 0.7})
     t0 = time.perf_counter()
     engine = await VLLMEngine.start(cfg)
     start_s = time.perf_counter() - t0
@@ -66,13 +71,9 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
         learner.cuda()
     torch.cuda.reset_peak_memory_stats()
     try:
-        params = SamplingConfig(n=1, max_tokens=args.tokens, ignore_eos=True, seed=0)
-        prompts = [tuple(range(10 + i % 50, 26 + i % 50)) for i in range(args.seqs)]
-        await engine.generate(prompts[0], SamplingConfig(n=1, max_tokens=8, seed=0), "warm-up")
-        t1 = time.perf_counter()
-        done = await asyncio.gather(*(engine.generate(p, params, f"decode-{i}") for i, p in enumerate(prompts)))
-        decode_s = time.perf_counter() - t1
-        tokens = sum(len(s.token_ids) for samples in done for s in samples)
+        await engine.generate((10, 11, 12), SamplingConfig(n=1, max_tokens=8, seed=0), "warm-up")
+        by_seqs = {n: await decode(engine, args.tokens, n) for n in also_seqs(args)}
+        tokens, decode_s = await decode(engine, args.tokens, args.seqs)
         sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP))
         pauses, prepares = [], []
         for _ in range(args.syncs):
@@ -82,13 +83,34 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
         free, total = torch.cuda.mem_get_info()
         return {"quantization": quantization, "precision": str(engine.behaviour_precision),
                 "start_s": start_s, "decoded_tokens": tokens, "decode_s": decode_s,
-                "decode_tokens_per_s": tokens / decode_s, "publication_pause_s": pauses,
+                "decode_tokens_per_s": tokens / decode_s,
+                "decode_tokens_per_s_by_seqs": {n: t / d for n, (t, d) in by_seqs.items()},
+                "publication_pause_s": pauses,
                 "publication_pause_median_s": statistics.median(pauses), "publication_prepare_s": prepares,
                 "learner_on_host": args.learner_on_host, "bench_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "gpu_used_after_gib": (total - free) / 2**30}
     finally:
         learner.cpu()
         await engine.close()
+        # The staged snapshots stay in torch's cache once freed (14.2 GiB at 7B): the next engine's start-up
+        # counts them as used.
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def also_seqs(args: Any) -> list[int]:
+    return [int(n) for n in args.also_seqs.split(",") if n.strip()]
+
+
+async def decode(engine: Any, tokens: int, seqs: int) -> tuple[int, float]:
+    """``seqs`` sequences of ``tokens`` tokens decoded at once: (tokens decoded, seconds)."""
+    from asyncrl.config import SamplingConfig
+
+    params = SamplingConfig(n=1, max_tokens=tokens, ignore_eos=True, seed=0)
+    prompts = [tuple(range(10 + i % 50, 26 + i % 50)) for i in range(seqs)]
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(engine.generate(p, params, f"decode-{seqs}-{i}") for i, p in enumerate(prompts)))
+    return sum(len(s.token_ids) for samples in done for s in samples), time.perf_counter() - t0
 
 
 async def run(args: Any) -> dict[str, Any]:
@@ -110,7 +132,10 @@ async def run(args: Any) -> dict[str, Any]:
             print(rounds[-1], flush=True)
     ratio = [r["fp8"]["decode_tokens_per_s"] / r["bf16"]["decode_tokens_per_s"] for r in rounds]
     pause = [r["fp8"]["publication_pause_median_s"] / r["bf16"]["publication_pause_median_s"] for r in rounds]
-    return {"rounds": rounds, "decode_speedup_fp8_over_bf16": ratio,
+    by_seqs = {n: statistics.median(r["fp8"]["decode_tokens_per_s_by_seqs"][n]
+                                    / r["bf16"]["decode_tokens_per_s_by_seqs"][n] for r in rounds)
+               for n in also_seqs(args)}
+    return {"rounds": rounds, "decode_speedup_fp8_over_bf16": ratio, "decode_speedup_median_by_seqs": by_seqs,
             "decode_speedup_median": statistics.median(ratio), "pause_ratio_fp8_over_bf16": pause,
             "pause_ratio_median": statistics.median(pause)}
 

@@ -12,16 +12,17 @@
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
 #           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
 #   optim   python -m bench.gpu.optimizer at the 7B shape: adamw_bf16's step beside torch's fused AdamW
-# PEFT's and TRL's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh) are unpacked under /tmp. Results
+# PEFT's, TRL's and FP8's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh, fetch_fp8_wheels.sh: vLLM 0.26
+# imports compressed-tensors to quantize at all) are unpacked under /tmp. Results
 # land in $OUT: summary.txt, run.log and the JSON files.
 # Usage, from the repository root (host setup sourced first):  bash bench/gpu/run_7b.sh [BUDGET_S] [STEP...]
 BUDGET=${1:-570}; shift $(( $# < 1 ? $# : 1 ))
 STEPS=${*:-lora lorasync}
 source bench/gpu/common.sh
-for pkg in peft trl; do
+for pkg in peft trl fp8; do
   [ -d "/tmp/$pkg-site" ] || for w in ".cache/gpu-$pkg"/*.whl; do "$PY" -m zipfile -e "$w" "/tmp/$pkg-site"; done
 done
-export PYTHONPATH="$PYTHONPATH:/tmp/peft-site" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH="$PYTHONPATH:/tmp/peft-site:/tmp/fp8-site" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 LOG="$OUT/run.log"; T0=$SECONDS
 # Result files live where a warm machine keeps them between commands (a fresh $OUT comes with each), so that
 # --resume finds the sides an earlier command measured; they are copied into $OUT after every step.
@@ -45,7 +46,8 @@ for s in $STEPS; do case $s in
   full) run full 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides async --steps "${FULL_STEPS:-24}" --deadline-s "$(deadline)";;
   fullsync) run fullsync 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides sync --steps "${SYNC_STEPS:-8}" \
       --deadline-s "$(deadline)";;
-  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host;;
+  fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host \
+      --also-seqs 16,64;;
   optim) run optim 60 "$PY" -m bench.gpu.optimizer --out "$KEEP" --shape qwen2.5-7b;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
 esac; cp "$KEEP"/*.json "$OUT"/ 2>/dev/null; done

@@ -51,6 +51,7 @@ REPEATS: dict[str, Callable[[dict[str, Any]], str]] = {
                                f"(pairs {', '.join(num(x, 3) for x in r['pair_ratios'])})"),
     "queue_micro": lambda r: f"**{num(r['rollouts_per_s'], 0)} rollouts/s**, p99 **{num(r['p99_ms'], 3)} ms**",
     "gpu_workload": peers.workload_ratios,
+    "fp8": lambda r: f"FP8 / bf16 decode **{num(r['decode_speedup_median'], 3)}x**",
     "ab_engine_limit": lambda r: (f"ratio {num(r['summary']['ratio']['before'], 3)} -> "
                                   f"{num(r['summary']['ratio']['after'], 3)} "
                                   f"(**x{num(r['summary']['ratio']['after_over_before'], 3)}**)"),

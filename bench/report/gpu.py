@@ -97,18 +97,49 @@ def lora_sides(r: dict[str, Any]) -> list[str]:
 
 
 def fp8(r: dict[str, Any]) -> list[str]:
-    rows = [[f"{i + 1}", name, side["precision"], num(side["decode_tokens_per_s"], 0),
-             ms(side["publication_pause_median_s"]), num(side["start_s"], 1)]
+    """Per round and engine: decode tokens/s at the file's concurrencies, the pause, the start; then FP8 / bf16."""
+    extra = sorted({int(n) for round_ in r["rounds"] for side in round_.values()
+                    for n in side.get("decode_tokens_per_s_by_seqs", {})})
+    rows = [[f"{i + 1}", name, side["precision"],
+             *(num(side["decode_tokens_per_s_by_seqs"][str(n)], 0) for n in extra),
+             num(side["decode_tokens_per_s"], 0), ms(side["publication_pause_median_s"]), num(side["start_s"], 1)]
             for i, round_ in enumerate(r["rounds"]) for name, side in round_.items()]
-    return table(["round", "engine", "samples in", "decode tokens/s", "publication pause (median)", "start s"],
-                 rows) + ["", f"FP8 / bf16: decode **{num(r['decode_speedup_median'], 3)}x**, publication pause "
-                              f"**{num(r['pause_ratio_median'], 3)}x** (medians over rounds)."]
+    decode = [f"decode tokens/s, {n} sequences" for n in extra] + [f"decode tokens/s{', 256 sequences' * bool(extra)}"]
+    ratios = "".join(f"decode at {n} sequences **{num(x, 3)}x**, "
+                     for n, x in sorted(r.get("decode_speedup_median_by_seqs", {}).items(), key=lambda kv: int(kv[0])))
+    return table(["round", "engine", "samples in", *decode, "publication pause (median)", "start s"], rows) + [
+        "", f"FP8 / bf16: {ratios}decode{' at 256 sequences' * bool(extra)} **{num(r['decode_speedup_median'], 3)}x**"
+            f", publication pause **{num(r['pause_ratio_median'], 3)}x** (medians over rounds)."]
+
+
+def optimizer(r: dict[str, Any]) -> list[str]:
+    """Step times (and on a GPU, memory) of adamw_bf16 eager and compiled against torch's fused AdamW."""
+    sides = [("adamw_bf16", "`adamw_bf16` (StochasticAdamW), eager"),
+             ("adamw_bf16_compiled", "`adamw_bf16`, compiled"),
+             ("torch_fused_adamw", "torch AdamW, fused (bf16 states, round to nearest)")]
+    rows = [[label, num(x["step_s"], 3), num(x.get("first_step_s"), 1), num(x.get("held_gib"), 1),
+             num(x.get("temporary_gib"), 2), num(x.get("planned_temporary_gib"), 2)]
+            for key, label in sides if (x := r.get(key))]
+    lines = [f"{num(r['params'] / 1e9, 2)}B parameters; `adamw_bf16` eager / fused: **{num(r['step_ratio'], 1)}x** "
+             "the step time"]
+    if "compiled_speedup" in r:
+        lines.append(f"compiled / fused: **{num(r['compiled_step_ratio'], 1)}x**; compiling made the step "
+                     f"**x{num(r['compiled_speedup'], 1)}** faster")
+    if (a := r.get("agreement")) is not None:
+        lines.append(f"the same three steps on CPU and GPU: {pct(a['equal_fraction'])} of weights equal to the bit "
+                     f"({pct(a['moved_fraction'])} moved)")
+    return table(["optimiser", "step s", "first step s (states; compile)", "held GiB", "temporaries GiB",
+                  "planned temporaries GiB"], rows) + ["", "; ".join(lines) + "."]
 
 
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
     "fp8": ("FP8 rollouts against bf16", "bench/gpu/fp8.py: one bf16 checkpoint served in bf16 and in FP8 (vLLM's "
             "online quantization), decode speed with ignore_eos, and the pause of a full-weight publication of the "
             "learner's bf16 weights into each (CUDA IPC, KEEP).", fp8),
+    "optimizer": ("`adamw_bf16` against torch's fused AdamW", "bench/gpu/optimizer.py: one optimiser step over "
+                  "a shape's bf16 parameters and random gradients, eager and compiled, and on a GPU the memory it "
+                  "holds and allocates besides.",
+                  optimizer),
     "sleep": ("Sleep mode", "vLLM sleep levels 1 and 2 on the GPU test model: memory freed, sleep, wake with a "
               "weight update, and the log-prob parity check passed.", sleep_mode),
     "startup_probe": ("Engine start-up on the GPU", "Where an engine start's seconds go, per variant (seconds).",

@@ -45,6 +45,9 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                   f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward", "ours: learner s"], rows) + [""]
+        for who, side in x.items():  # a side whose run failed before it wrote figures
+            if isinstance(side, dict) and side.get("error"):
+                lines += [f"{who} failed: {_first_sentences(side['error'])}", ""]
         lines += _token_books(x.get("ours", {}))
     summary = summarise(r)  # from the sides' figures, so files from before _tokens get it too
 
@@ -73,13 +76,18 @@ def _token_books(ours: dict[str, Any]) -> list[str]:
                   "generated mean length", "trained mean length", "admission", "correction"], rows) + [""]
 
 
+def _first_sentences(error: str, limit: int = 5) -> str:
+    """An error's first sentences: torch's out-of-memory message goes on with advice."""
+    return ". ".join(error.split(". ")[:limit]).rstrip(".") + "."
+
+
 def _learner_options(x: dict[str, Any]) -> str:
     # Files from before ``--learner`` have no options recorded: their learner ran 8-rollout padded micro-batches.
     ours = x.get("ours", {})
     options = next((ours[m]["learner_options"] for m in ("async", "sync", "async_fp8", "async_lora", "sync_lora")
                     if "learner_options" in ours.get(m, {})), None)
     if not options:
-        return "padded rows, 8-rollout micro-batches"
+        return "not recorded" if ours.get("error") else "padded rows, 8-rollout micro-batches"
     return ", ".join(f"{k}={v}" for k, v in options.items())
 
 

@@ -274,7 +274,7 @@ def fp8_block(results_dir: Path) -> str:
             f"{len(r['rounds'])} round), and a publication of the learner's bf16 weights into it pauses "
             f"{ms(fp8['publication_pause_median_s'])} against {ms(bf16['publication_pause_median_s'])} "
             f"(x{num(r['pause_ratio_median'])}; the FP8 quantization runs while staging, before the pause) ({source})."
-            + fp8_learning(results_dir))
+            + seven_b.fp8_paragraph(results_dir) + fp8_learning(results_dir))
 
 
 def fp8_learning(results_dir: Path) -> str:

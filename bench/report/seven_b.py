@@ -12,7 +12,7 @@ from typing import Any
 
 from bench import common
 from bench.gpu.planted import param_count
-from bench.report.document import results_of
+from bench.report.document import repeat_of, results_of
 from bench.report.format import ms, num, pct, table
 
 SHAPE = "qwen2.5-7b"
@@ -69,7 +69,63 @@ def seven_b_block(results_dir: Path) -> str:
             lines.append(sync_line(sync, side, r.get("summary", {})))
         elif log.is_file():
             lines.append(sync_from_log(log, side))
-    return "\n".join(lines) or "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
+    if not lines:
+        return "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
+    return "\n".join(lines + [line for line in (pause_line(results_dir), full_line(results_dir)) if line])
+
+
+def _doc(path: Path) -> tuple[dict[str, Any], str] | None:
+    """A result file's figures and how to cite it (file, GPU, date)."""
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return results_of(doc), f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
+
+
+def pause_line(results_dir: Path) -> str:
+    """LoRA's pause against a full-weight publication's at 7B: the full-weight one is measured by the FP8 bench
+    on an idle engine, so LoRA's is compared where its engine is idle too (the sync side publishes between
+    steps); async's, in keep mode, also waits out the engine step in flight."""
+    full = _doc(results_dir / "fp8_h100_qwen25-7b.json")
+    lora = next((r[SHAPE]["ours"] for r, _, path, _ in _runs(results_dir) if "repeats" not in path.parts
+                 and (r.get(SHAPE, {}).get("ours", {}).get("sync_lora") or {}).get("steps")), None)
+    if full is None or lora is None:
+        return ""
+    (r, source), idle, busy = full, lora["sync_lora"], lora["async_lora"]
+    bf16 = r["rounds"][0]["bf16"]
+    return (f"- Publication pause at 7B, LoRA against all the weights: a full-weight publication of the learner's "
+            f"bf16 weights into an idle bf16 engine paused **{ms(bf16['publication_pause_median_s'])}** (median of "
+            f"{', '.join(ms(x) for x in bf16['publication_pause_s'])}; {source}). LoRA's, into an idle engine (the "
+            f"sync side publishes between steps): **{ms(idle['publication_pause_s']['mean'])}** mean, largest "
+            f"{ms(idle['publication_pause_s']['max'])}; into a decoding engine (async, keep mode: the engine core "
+            f"takes the update between its steps, so the pause includes the rest of the step in flight): "
+            f"{ms(busy['publication_pause_s']['mean'])} mean. No full-weight pause into "
+            f"a decoding 7B engine is measured to set beside that one.")
+
+
+def full_line(results_dir: Path) -> str:
+    """Full fine-tuning at 7B: what was run and where it stopped, and the optimiser's step against torch's."""
+    parts = []
+    for r, source, path, args in _runs(results_dir):
+        ours = r.get(SHAPE, {}).get("ours", {})
+        if args.get("optimizer") != "adamw_bf16" or "repeats" in path.parts:
+            continue
+        if ours.get("error"):
+            used = re.findall(r"has ([\d.]+) GiB memory in use", ours["error"])
+            held = f": the learner held {used[0]} GiB, the engine {used[1]} GiB" if len(used) == 2 else ""
+            parts.append(f"on an 80 GiB card it ran out of memory at its first optimiser step, as the memory "
+                         f"table predicts{held} ({source})")
+        elif (side := ours.get("async")) and side.get("steps"):
+            parts.append(f"async, {side['steps']} steps of {args['batch_groups'] * args['n']} samples: "
+                         f"{num(side['completion_tokens_per_s'], 0)} trained completion tokens/s, whole-GPU peak "
+                         f"{num(max(side['gpu_peak_used_gib']), 1)} GiB, learner peak "
+                         f"{num(side['learner_peak_allocated_gib'], 1)} GiB, MFU {pct(side['learner_mfu'])} ({source})")
+    if (opt := _doc(results_dir / "optimizer_h100_qwen25-7b.json")) is not None:
+        o, source = opt
+        parts.append(f"`adamw_bf16`'s step over the 7B shape's parameters took {num(o['adamw_bf16']['step_s'], 2)} s "
+                     f"against {num(o['torch_fused_adamw']['step_s'], 3)} s for torch's fused AdamW "
+                     f"(x{num(o['step_ratio'], 0)}; {source})")
+    return f"- Full fine-tuning (`adamw_bf16`): {'; '.join(parts)}." if parts else ""
 
 
 def sync_line(sync: dict[str, Any], async_side: dict[str, Any], summary: dict[str, float]) -> str:
@@ -149,3 +205,26 @@ def memory_block(results_dir: Path) -> str:
 def fits(total: float) -> str:
     # Usable memory: what torch reports free on an idle card, less the 5 GiB the issue keeps in reserve.
     return " / ".join("yes" if total <= usable else "no" for usable in (75.0, 134.0))
+
+
+def fp8_paragraph(results_dir: Path) -> str:
+    """FP8 against bf16 decode at 7B, at each concurrency the file measured, and the pause into each."""
+    x = _doc(results_dir / "fp8_h100_qwen25-7b.json")
+    if x is None:
+        return ""
+    r, source = x
+    fp8, bf16 = r["rounds"][0]["fp8"], r["rounds"][0]["bf16"]
+    by_seqs = fp8.get("decode_tokens_per_s_by_seqs", {})
+    at = "; ".join(f"**x{num(r['decode_speedup_median_by_seqs'][n], 3)}** with {n} sequences decoding at once "
+                   f"({num(by_seqs[n], 0)} against {num(bf16['decode_tokens_per_s_by_seqs'][n], 0)} tokens/s)"
+                   for n in sorted(by_seqs, key=int))
+    earlier = repeat_of(results_dir / "fp8_h100_qwen25-7b.json")
+    again = (f", x{num(results_of(earlier[0])['decode_speedup_median'], 3)} in an earlier run of the same engines "
+             f"(`{earlier[1].relative_to(common.ROOT)}`)") if earlier else ""
+    return (f"\n\nAt the 7B shape on one H100, FP8 decodes at {at}; and x{num(r['decode_speedup_median'], 3)} "
+            f"with 256{again}. FP8 weights halve the bytes each decode step reads: that pays while reading the "
+            f"weights bounds a step, at tens of sequences; at 256 the step is bound elsewhere and FP8 gains "
+            f"nothing. "
+            f"A publication of the learner's bf16 weights (staged from host memory) paused "
+            f"{ms(fp8['publication_pause_median_s'])} into FP8 against {ms(bf16['publication_pause_median_s'])} "
+            f"into bf16 (medians of {len(fp8['publication_pause_s'])}) ({source}).")
