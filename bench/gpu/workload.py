@@ -177,8 +177,8 @@ def learner_speed_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
-    """Seconds spent compiling the learner's layers and head before the timed run, on a throwaway copy
-    (compiled code is shared by every instance of a module class)."""
+    """Seconds spent compiling the learner's layers and head (and ``adamw_bf16``'s update) before the timed run,
+    on throwaway copies (compiled code is shared by every instance of a module class, and of the optimiser)."""
     if not cfg.compiled:
         return 0.0
     import copy
@@ -194,6 +194,13 @@ def precompile_learner(args: argparse.Namespace, model: Any, cfg: Any) -> float:
     groups = common.synthetic_groups(args.batch_groups, args.n, 200, (20, args.max_tokens), model.config.vocab_size, 0)
     common.warm_up_learner(backend, groups)
     del backend, twin
+    if cfg.optimizer == "adamw_bf16":  # its compiled update too, on a throwaway parameter (dynamic shapes)
+        from asyncrl.actors.optimizer import StochasticAdamW
+
+        device = next(model.parameters()).device
+        scratch = torch.nn.Parameter(torch.zeros(1 << 20, dtype=torch.bfloat16, device=device))
+        scratch.grad = torch.ones_like(scratch)
+        StochasticAdamW([scratch], compiled=True).step()
     free_gpu()
     return time.perf_counter() - t0
 
