@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,21 +169,25 @@ class StochasticAdamW(torch.optim.Optimizer):
         tensors = [_local(x) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
         work = [x if x.is_contiguous() else x.contiguous() for x in tensors]  # chunks are slices of a flat view
         flat = [x.view(-1) for x in work]
-        fused = self._fused if p.dtype in ROUNDED else None
-        if fused is not None:
-            device = flat[0].device
-            coefficients = torch.tensor(dataclasses.astuple(c), dtype=torch.float32, device=device)
-            key_tensor = torch.tensor(keys, dtype=torch.int64, device=device)
+        update = self._chunk_update(p.dtype, c, keys, flat[0].device)
         for start in range(0, flat[0].numel(), self.chunk_elements):
             end = start + self.chunk_elements
-            if fused is not None:
-                fused(*(x[start:end] for x in flat), coefficients, key_tensor,
-                      torch.tensor(start, dtype=torch.int64, device=device))
-            else:
-                _adamw_chunk(*(x[start:end] for x in flat), c, keys, start)
+            update(*(x[start:end] for x in flat), start)
         for x, w in zip(tensors, work, strict=True):
             if w is not x:
                 x.copy_(w)
+
+    def _chunk_update(self, dtype: torch.dtype, c: _Coefficients, keys: Sequence[int], device: torch.device
+                      ) -> Callable[..., None]:
+        """``update(p, g, m, v, start)`` for one parameter's chunks: the compiled update for bfloat16 when
+        ``compiled`` (its scalars as tensors on ``device``), else the eager one."""
+        fused = self._fused
+        if fused is None or dtype not in ROUNDED:
+            return lambda p, g, m, v, start: _adamw_chunk(p, g, m, v, c, keys, start)
+        coefficients = torch.tensor(dataclasses.astuple(c), dtype=torch.float32, device=device)
+        key_tensor = torch.tensor(keys, dtype=torch.int64, device=device)
+        return lambda p, g, m, v, start: fused(p, g, m, v, coefficients, key_tensor,
+                                               torch.tensor(start, dtype=torch.int64, device=device))
 
 
 def _adamw_chunk(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: _Coefficients,

@@ -19,17 +19,21 @@ SHAPE = "qwen2.5-7b"
 GIB = 2**30
 
 
-def _runs(results_dir: Path) -> list[tuple[dict[str, Any], str, Path, dict[str, Any]]]:
-    """Every 7B workload file (``gpu_workload_<gpu>_q7*.json``, repeats included): results, source, path, and
-    the run's parameters."""
-    paths = sorted(results_dir.glob("gpu_workload_*_q7*.json")) + sorted(
-        (results_dir / "repeats").glob("gpu_workload_*_q7*.json"))
+def _runs(results_dir: Path, repeats: bool = True) -> list[tuple[dict[str, Any], str, Path, dict[str, Any]]]:
+    """Every 7B workload file (``gpu_workload_<gpu>_q7*.json``, with ``repeats`` those kept under repeats/ too):
+    results, source, path, and the run's parameters."""
+    paths = sorted(results_dir.glob("gpu_workload_*_q7*.json")) + (sorted(
+        (results_dir / "repeats").glob("gpu_workload_*_q7*.json")) if repeats else [])
     out = []
     for path in paths:
         doc = json.loads(path.read_text())
-        source = f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
-        out.append((results_of(doc), source, path, doc.get("parameters", {})))
+        out.append((results_of(doc), _source(path, doc), path, doc.get("parameters", {})))
     return out
+
+
+def _source(path: Path, doc: dict[str, Any]) -> str:
+    """How the docs cite a GPU result file: the file, its GPU, its date."""
+    return f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
 
 
 def logged_steps(log: Path) -> list[list[float]]:
@@ -79,7 +83,7 @@ def _doc(path: Path) -> tuple[dict[str, Any], str] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    return results_of(doc), f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
+    return results_of(doc), _source(path, doc)
 
 
 def pause_line(results_dir: Path) -> str:
@@ -87,8 +91,8 @@ def pause_line(results_dir: Path) -> str:
     on an idle engine, so LoRA's is compared where its engine is idle too (the sync side publishes between
     steps); async's, in keep mode, also waits out the engine step in flight."""
     full = _doc(results_dir / "fp8_h100_qwen25-7b.json")
-    lora = next((r[SHAPE]["ours"] for r, _, path, _ in _runs(results_dir) if "repeats" not in path.parts
-                 and (r.get(SHAPE, {}).get("ours", {}).get("sync_lora") or {}).get("steps")), None)
+    lora = next((r[SHAPE]["ours"] for r, _, _, _ in _runs(results_dir, repeats=False)
+                 if (r.get(SHAPE, {}).get("ours", {}).get("sync_lora") or {}).get("steps")), None)
     if full is None or lora is None:
         return ""
     (r, source), idle, busy = full, lora["sync_lora"], lora["async_lora"]
@@ -106,9 +110,9 @@ def pause_line(results_dir: Path) -> str:
 def full_line(results_dir: Path) -> str:
     """Full fine-tuning at 7B: what was run and where it stopped, and the optimiser's step against torch's."""
     parts = []
-    for r, source, path, args in _runs(results_dir):
+    for r, source, _, args in _runs(results_dir, repeats=False):
         ours = r.get(SHAPE, {}).get("ours", {})
-        if args.get("optimizer") != "adamw_bf16" or "repeats" in path.parts:
+        if args.get("optimizer") != "adamw_bf16":
             continue
         if ours.get("error"):
             used = re.findall(r"has ([\d.]+) GiB memory in use", ours["error"])
@@ -165,8 +169,8 @@ def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:
 
 def memory_block(results_dir: Path) -> str:
     """What each part of a 7B step holds, LoRA and full fine-tuning, against an 80 GiB H100 and a 141 GiB H200."""
-    found = [(r, source, args) for r, source, path, args in _runs(results_dir) if "repeats" not in path.parts
-             and (r.get(SHAPE, {}).get("ours", {}).get("async_lora") or {}).get("steps")]
+    found = [(r, source, args) for r, source, _, args in _runs(results_dir, repeats=False)
+             if (r.get(SHAPE, {}).get("ours", {}).get("async_lora") or {}).get("steps")]
     if not found:
         return "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
     r, source, args = found[0]
