@@ -12,6 +12,8 @@
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
 #           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
 #   optim   python -m bench.gpu.optimizer at the 7B shape: adamw_bf16's step beside torch's fused AdamW
+#   fp8learn  issue 39's learning run at 1.5B, another seed ($SEED, default 1): 24 async steps with FP8 rollouts
+#           beside 24 with bf16 rollouts, the same warm start and prompts: gpu_workload_<gpu>_q15_fp8_s24_seed<SEED>.json
 # PEFT's, TRL's and FP8's wheels (bench/gpu/fetch_peft_wheels.sh, fetch_trl_wheels.sh, fetch_fp8_wheels.sh: vLLM 0.26
 # imports compressed-tensors to quantize at all) are unpacked under /tmp. Results
 # land in $OUT: summary.txt, run.log and the JSON files.
@@ -48,6 +50,9 @@ for s in $STEPS; do case $s in
       --deadline-s "$(deadline)";;
   fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host \
       --also-seqs 16,64;;
+  fp8learn) run fp8learn 300 "$PY" -m bench.gpu.workload --out "$KEEP" --shapes qwen2-1.5b --sides async,async_fp8 \
+      --tag "q15_fp8_s24_seed${SEED:-1}" --seed "${SEED:-1}" --micro-batch-tokens 8192 --warm-batch 8 --kv-cache-gib 6 \
+      --steps 24 --deadline-s "$(deadline)";;
   optim) run optim 60 "$PY" -m bench.gpu.optimizer --out "$KEEP" --shape qwen2.5-7b;;
   *) echo "unknown step $s" | tee -a "$OUT/$SUMMARY";;
 esac; cp "$KEEP"/*.json "$OUT"/ 2>/dev/null; done

@@ -18,3 +18,8 @@ def ms(x: float | None) -> str:
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def first_sentences(error: str, limit: int = 5) -> str:
+    """An error's first sentences: torch's out-of-memory message goes on with advice."""
+    return ". ".join(error.split(". ")[:limit]).rstrip(".") + "."

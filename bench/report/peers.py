@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl, summarise
-from bench.report.format import num, pct, table
+from bench.report.format import first_sentences, num, pct, table
 
 
 def vs_trl(r: dict[str, Any]) -> list[str]:
@@ -47,7 +47,7 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                         "mean reward", "ours: learner s"], rows) + [""]
         for who, side in x.items():  # a side whose run failed before it wrote figures
             if isinstance(side, dict) and side.get("error"):
-                lines += [f"{who} failed: {_first_sentences(side['error'])}", ""]
+                lines += [f"{who} failed: {first_sentences(side['error'])}", ""]
         lines += _token_books(x.get("ours", {}))
     summary = summarise(r)  # from the sides' figures, so files from before _tokens get it too
 
@@ -74,11 +74,6 @@ def _token_books(ours: dict[str, Any]) -> list[str]:
         return []
     return table(["ours", "completion tokens generated", "trained", "share", "dropped (tokens, by reason)",
                   "generated mean length", "trained mean length", "admission", "correction"], rows) + [""]
-
-
-def _first_sentences(error: str, limit: int = 5) -> str:
-    """An error's first sentences: torch's out-of-memory message goes on with advice."""
-    return ". ".join(error.split(". ")[:limit]).rstrip(".") + "."
 
 
 def _learner_options(x: dict[str, Any]) -> str:

@@ -278,29 +278,52 @@ def fp8_block(results_dir: Path) -> str:
 
 
 def fp8_learning(results_dir: Path) -> str:
-    """The async pipeline with FP8 rollouts against bf16 rollouts, same warm start and prompts, one run."""
+    """The async pipeline with FP8 rollouts against bf16 rollouts, same warm start and prompts, one file a seed
+    (``gpu_workload_*_q15_fp8_s24*.json``: seed 0 untagged, then ``_seed<N>``)."""
     import statistics
 
-    x = _load(results_dir, "gpu_workload_h100_q15_fp8_s24")
-    if x is None:
+    runs = []
+    for path in sorted(results_dir.glob("gpu_workload_*_q15_fp8_s24*.json")):
+        seed = json.loads(path.read_text())["parameters"]["seed"]
+        r, source = _load(results_dir, path.stem)
+        ours = r["qwen2-1.5b"]["ours"]
+        if "async" in ours and "async_fp8" in ours:
+            runs.append((seed, ours, r["summary"], source))
+    if not runs:
         return ""
-    r, source = x
-    ours, ratios = r["qwen2-1.5b"]["ours"], r["summary"]
-    bf16, fp8 = ours["async"], ours["async_fp8"]
+    runs.sort(key=lambda run: run[0])
+    rows = []
+    for seed, ours, ratios, _ in runs:
+        bf16, fp8 = ours["async"], ours["async_fp8"]
+        rows.append(f"seed {seed}: mean reward {_spread(fp8['rewards'])} with FP8 rollouts against "
+                    f"{_spread(bf16['rewards'])} with bf16, trained completion tokens/s "
+                    f"**x{num(ratios['qwen2-1.5b/async_fp8_over_async_tokens'], 3)}** "
+                    f"({num(fp8['completion_tokens_per_s'], 0)} against {num(bf16['completion_tokens_per_s'], 0)}; "
+                    f"x{num(ratios['qwen2-1.5b/async_fp8_over_async_steady'], 3)} over the steady steps)")
+    gaps = [statistics.mean(o["async_fp8"]["rewards"]) - statistics.mean(o["async"]["rewards"]) for _, o, _, _ in runs]
+    speed = [r["qwen2-1.5b/async_fp8_over_async_tokens"] for _, _, r, _ in runs]
+    kl = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_kl"] if v == v]
+    cut = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_cut_frac"] if v == v]
+    fp8_pause = statistics.mean(o["async_fp8"]["publication_pause_s"]["mean"] for _, o, _, _ in runs)
+    bf16_pause = statistics.mean(o["async"]["publication_pause_s"]["mean"] for _, o, _, _ in runs)
+    over = (f"Over the {len(runs)} seeds, FP8's mean reward minus bf16's is {_spread(gaps, signed=True)} and the "
+            f"speed-up **x{_spread(speed)}** (mean ± sd). " if len(runs) > 1 else "")
+    cuts = (f"at most {pct(max(cut))} of importance weights cut" if cut and max(cut) > 0
+            else "no importance weight cut")
+    return (f"\n\nLearning with FP8 rollouts (the countdown task at 1.5B, {len(runs[0][1]['async_fp8']['rewards'])} "
+            f"async steps a side, the same warm start and prompts within a seed, mean ± step-to-step spread): "
+            + "; ".join(rows) + ". " + over
+            + f"The mismatch at equal versions stayed small: k3 KL at most {max(kl):.0e} a step, {cuts} "
+            f"(`truncate`), publication pause {ms(fp8_pause)} against {ms(bf16_pause)} "
+            f"({'; '.join(source for *_, source in runs)}).")
 
-    def reward(side: dict) -> str:
-        return f"{num(statistics.mean(side['rewards']), 3)} ± {num(statistics.stdev(side['rewards']), 3)}"
 
-    at_zero = [v for v in fp8["mismatch_kl"] if v == v]
-    return (f"\n\nLearning with FP8 rollouts (the countdown task at 1.5B, {len(fp8['rewards'])} async steps each, "
-            f"the same warm start and prompts, one H100, one seed): mean reward {reward(fp8)} with FP8 rollouts "
-            f"against {reward(bf16)} with bf16 (mean ± step-to-step spread), trained completion tokens/s "
-            f"**x{num(ratios['qwen2-1.5b/async_fp8_over_async_tokens'], 3)}** "
-            f"({num(fp8['completion_tokens_per_s'], 0)} against {num(bf16['completion_tokens_per_s'], 0)}; "
-            f"x{num(ratios['qwen2-1.5b/async_fp8_over_async_steady'], 3)} over the steady steps). The mismatch at "
-            f"equal versions stayed small: k3 KL at most {max(at_zero):.0e} a step, no importance weight cut "
-            f"(`truncate`), publication pause {ms(fp8['publication_pause_s']['mean'])} against "
-            f"{ms(bf16['publication_pause_s']['mean'])} ({source}).")
+def _spread(values: list[float], signed: bool = False) -> str:
+    import statistics
+
+    mean = statistics.mean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:+.3f} ± {sd:.3f}" if signed else f"{num(mean, 3)} ± {num(sd, 3)}"
 
 
 def structure_block(results_dir: Path) -> str:

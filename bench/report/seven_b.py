@@ -12,8 +12,9 @@ from typing import Any
 
 from bench import common
 from bench.gpu.planted import param_count
+from bench.gpu.workload_rates import summarise
 from bench.report.document import repeat_of, results_of
-from bench.report.format import ms, num, pct, table
+from bench.report.format import first_sentences, ms, num, pct, table
 
 SHAPE = "qwen2.5-7b"
 GIB = 2**30
@@ -73,6 +74,8 @@ def seven_b_block(results_dir: Path) -> str:
             lines.append(sync_line(sync, side, r.get("summary", {})))
         elif log.is_file():
             lines.append(sync_from_log(log, side))
+        if trl := r[SHAPE].get("trl_lora"):
+            lines.append(trl_line(trl, side, summarise(r)))
     if not lines:
         return "(no 7B result yet: `bash bench/gpu/run_7b.sh 570 lora`)"
     return "\n".join(lines + [line for line in (pause_line(results_dir), full_line(results_dir)) if line])
@@ -148,6 +151,21 @@ def sync_line(sync: dict[str, Any], async_side: dict[str, Any], summary: dict[st
             f"sync's made {num(sync['tokens_generated'] / sync['gen_s'], 0)} tokens/s while it generated (each "
             f"step waits for its longest answer), async's {num(async_side['generated_tokens_per_s'], 0)} over the "
             f"whole run, beside the learner.")
+
+
+def trl_line(trl: dict[str, Any], async_side: dict[str, Any], summary: dict[str, float]) -> str:
+    """TRL's GRPOTrainer with PEFT LoRA and vLLM colocated, beside ours async: its rate, the ratio, the rewards
+    (a side the command's limit cut short is compared over the steps it ran)."""
+    who = "TRL GRPOTrainer with PEFT LoRA (same rank, targets and learning rate), vLLM colocated on the same GPU"
+    if "error" in trl or not trl.get("steps"):
+        return f"  {who}: no step ran ({first_sentences(trl.get('error', 'no error recorded'))})."
+    key = f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
+    cut = ", cut short by the command's limit" if trl.get("partial") else ""
+    return (f"  {who}: {trl['steps']} steps{cut}, {num(trl['completion_tokens_per_s'], 0)} trained completion "
+            f"tokens/s (mean length {num(trl['completion_len_mean'], 0)}), whole-GPU peak "
+            f"{num(max(trl['gpu_peak_used_gib']), 1)} GiB, mean reward {num(statistics.mean(trl['rewards']), 3)}: "
+            f"ours async ran **x{num(summary[key + '_tokens'])}** TRL's trained tokens/s "
+            f"(x{num(summary[key])} samples/s), mean reward {num(statistics.mean(async_side['rewards']), 3)}.")
 
 
 def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:
