@@ -4,6 +4,7 @@ seeds) and docs/RESULTS.md (tool use, the headline figures, the staleness defaul
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -280,8 +281,6 @@ def fp8_block(results_dir: Path) -> str:
 def fp8_learning(results_dir: Path) -> str:
     """The async pipeline with FP8 rollouts against bf16 rollouts, same warm start and prompts, one file a seed
     (``gpu_workload_*_q15_fp8_s24*.json``: seed 0 untagged, then ``_seed<N>``)."""
-    import statistics
-
     runs = []
     for path in sorted(results_dir.glob("gpu_workload_*_q15_fp8_s24*.json")):
         seed = json.loads(path.read_text())["parameters"]["seed"]
@@ -319,8 +318,6 @@ def fp8_learning(results_dir: Path) -> str:
 
 
 def _spread(values: list[float], signed: bool = False) -> str:
-    import statistics
-
     mean = statistics.mean(values)
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{mean:+.3f} ± {sd:.3f}" if signed else f"{num(mean, 3)} ± {num(sd, 3)}"

@@ -100,6 +100,8 @@ def missing_paragraph(results_dir: Path) -> str:
     elif (over := ratios.get(f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
                              + "_tokens")) is not None and over < 3.0:
         out.append(f"Over TRL, x{num(over)} is short of the 3.0 set.")
+    if trl and trl.get("rewards") and statistics.mean(trl["rewards"]) > statistics.mean(ours["async_lora"]["rewards"]):
+        out.append("Ours async's mean reward is below TRL's.")
     full = [(r[SHAPE]["ours"].get("async") or {}).get("steps", 0) for r, _, _, a in _runs(results_dir, False)
             if a.get("optimizer") == "adamw_bf16" and SHAPE in r]
     if max(full, default=0) < 24:
@@ -161,7 +163,7 @@ def full_line(results_dir: Path) -> str:
                          f"{num(side['learner_peak_allocated_gib'], 1)} GiB, MFU {pct(side['learner_mfu'])} ({source})")
     for o, source in _optimizer_runs(results_dir):
         compiled = (f", compiled {num(o['adamw_bf16_compiled']['step_s'], 3)} s "
-                    f"(x{num(o['compiled_step_ratio'], 1)} fused's)") if "adamw_bf16_compiled" in o else ""
+                    f"({num(o['compiled_step_ratio'], 1)}x the fused step)") if "adamw_bf16_compiled" in o else ""
         parts.append(f"`adamw_bf16`'s step over the 7B shape's parameters took {num(o['adamw_bf16']['step_s'], 2)} s "
                      f"eager{compiled}, against {num(o['torch_fused_adamw']['step_s'], 3)} s for torch's fused AdamW "
                      f"(eager x{num(o['step_ratio'], 0)}; {source})")
@@ -196,7 +198,7 @@ def trl_line(trl: dict[str, Any], async_side: dict[str, Any], summary: dict[str,
     (a side the command's limit cut short is compared over the steps it ran)."""
     who = "TRL GRPOTrainer with PEFT LoRA (same rank, targets and learning rate), vLLM colocated on the same GPU"
     if "error" in trl or not trl.get("steps"):
-        return f"  {who}: no step ran ({first_sentences(trl.get('error', 'no error recorded'))})."
+        return f"  {who}: no step ran. {first_sentences(trl.get('error', 'No error was recorded.'))}"
     key = f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
     cut = ", cut short by the command's limit" if trl.get("partial") else ""
     return (f"  {who}: {trl['steps']} steps{cut}, {num(trl['completion_tokens_per_s'], 0)} trained completion "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from bench import report
 from bench.gpu.workload_rates import fastest_trl
 
@@ -23,3 +26,36 @@ def test_the_gpu_headline_compares_with_trls_fastest_mode():
     assert fastest_trl({"trl": {"samples_per_s": 9.6}}) == "trl"
     assert fastest_trl({**side, "trl_sleep": {"error": "OOM"}}) == "trl", "a side that failed is no candidate"
     assert fastest_trl({"ours": {}}) is None
+
+
+def test_the_7b_section_sets_trls_side_beside_ours_and_names_the_goals_missed():
+    """TRL's LoRA side, when a file has it, is compared with ours async; what falls short of issue 38's goals, or
+    has no figure, is said in the generated "what is missing" line rather than retyped."""
+    import json
+    import shutil
+
+    from bench import common
+    from bench.report import seven_b
+
+    results = common.ROOT / "bench" / "results"
+    (common.ROOT / ".cache").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=common.ROOT / ".cache"))  # sources are cited relative to the repository
+    try:
+        for name in ("gpu_workload_h100_q7.json", "optimizer_h100_qwen25-7b.json", "fp8_h100_qwen25-7b.json"):
+            shutil.copy(results / name, work)
+        assert "TRL's side" in seven_b.missing_paragraph(work) and "TRL GRPOTrainer" not in seven_b.seven_b_block(work)
+        doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
+        ours = doc["results"]["qwen2.5-7b"]["ours"]["async_lora"]
+        trl = {**ours, "steps": 3, "partial": True, "samples_per_s": ours["samples_per_s"] / 3,
+               "completion_tokens_per_s": ours["completion_tokens_per_s"] / 2.5, "rewards": [0.99] * 3}
+        doc["results"]["qwen2.5-7b"]["trl_lora"] = trl
+        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
+        block, missing = seven_b.seven_b_block(work), seven_b.missing_paragraph(work)
+        assert "3 steps, cut short by the command's limit" in block and "ours async ran **x2.50** TRL's" in block
+        assert "Over TRL, x2.50 is short of the 3.0 set." in missing and "mean reward is below TRL's" in missing
+        assert "Full fine-tuning has not run its 24 steps" in missing and "compiled step" not in missing
+        doc["results"]["qwen2.5-7b"]["trl_lora"] = {"error": "OutOfMemoryError: CUDA out of memory. Tried more."}
+        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
+        assert "no step ran. OutOfMemoryError: CUDA out of memory." in seven_b.seven_b_block(work)
+    finally:
+        shutil.rmtree(work)
