@@ -31,6 +31,9 @@ Layout ``1gpu`` (everything colocated on GPU 0):
 - ``async_lora`` / ``sync_lora`` (only when named): ``async`` and ``sync`` on an engine serving adapters, the learner
   training a LoRA adapter (``--lora-rank``, ``--lora-alpha``, ``--lora-lr``) on its frozen base
   (``--lora-base-dtype``), published alone; the engine never sleeps;
+- ``alone_lora`` (only when named): that engine by itself at the producers' concurrency, no adapter and no
+  learner: the most tokens/s any side on it can generate, so its ratio to ``sync_lora``'s trained tokens/s bounds
+  what ``async_lora`` can gain (``generation_limit_ratio_lora``: async's generation over it);
 - ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
   ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``); ``trl_lora`` (only when named): the same with PEFT LoRA of
   our adapter's rank, alpha, targets and learning rate on a bf16 base.
@@ -76,11 +79,11 @@ from bench.gpu.workload_task import add_task_args, max_model_len, prepare_model,
 from bench.peers import workload_trl
 
 SIDES = {"1gpu": ("async", "sync", "trl", "trl_sleep"), "2gpu": ("alone", "async", "trl_async")}
-OPTIONAL_SIDES = ("async_fp8", "async_lora", "sync_lora", "trl_lora")  # run only when named in --sides
+OPTIONAL_SIDES = ("async_fp8", "alone_lora", "async_lora", "sync_lora", "trl_lora")  # run only when named
 # Our sides by engine: each variant starts its own engine (full weights, FP8 weights, LoRA serving).
-VARIANTS = {"": ("alone", "async", "sync"), "fp8": ("async",), "lora": ("async", "sync")}
+VARIANTS = {"": ("alone", "async", "sync"), "fp8": ("async",), "lora": ("alone", "async", "sync")}
 SIDE_NEEDS_S = {"async": 60, "sync": 90, "alone": 30, "trl": 120, "trl_sleep": 120, "trl_async": 150,
-                "async_fp8": 150, "async_lora": 150, "sync_lora": 90, "trl_lora": 240}
+                "async_fp8": 150, "alone_lora": 60, "async_lora": 150, "sync_lora": 90, "trl_lora": 240}
 EXIT_GRACE_S = 30
 log = logging.getLogger("bench.gpu.workload")
 
@@ -346,7 +349,8 @@ async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]
     t0 = time.perf_counter()
     tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(groups))))
     wall = time.perf_counter() - t0
-    return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "host": common.host_id()}
 
 
 async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any], variant: str) -> None:
@@ -398,8 +402,9 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
 
                 out[key] = await one_run(args, engine, model_dir, tok, prompts, side == "sync", memory, lora=lora,
                                          lr=args.lora_lr if lora else None, progress=progress)
-            if "alone" in out and "async" in out:
-                out["generation_limit_ratio"] = out["async"]["generated_tokens_per_s"] / out["alone"]["tokens_per_s"]
+            if "alone" + suffix in out and "async" + suffix in out:
+                out["generation_limit_ratio" + suffix] = (out["async" + suffix]["generated_tokens_per_s"]
+                                                          / out["alone" + suffix]["tokens_per_s"])
             report()
     finally:
         await engine.close()

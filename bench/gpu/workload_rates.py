@@ -44,8 +44,9 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             out[key + "_tokens"] = x["completion_tokens_per_s"] / y["completion_tokens_per_s"]
             if not partial and "samples_per_s_steady" in x and "samples_per_s_steady" in y:
                 out[key + "_steady"] = x["samples_per_s_steady"] / y["samples_per_s_steady"]
-        if "generation_limit_ratio" in mine:
-            out[f"{shape}/generation_limit_ratio"] = mine["generation_limit_ratio"]
+        for key in ("generation_limit_ratio", "generation_limit_ratio_lora"):
+            if key in mine:
+                out[f"{shape}/{key}"] = mine[key]
     return out
 
 

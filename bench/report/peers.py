@@ -45,6 +45,10 @@ def gpu_workload(r: dict[str, Any]) -> list[str]:
                   f"{_learner_options(x)})", ""]
         lines += table(["side", "trained samples/s", "steady", "completion tokens/s", "mean length",
                         "mean reward", "ours: learner s"], rows) + [""]
+        for key, engine in (("alone", "The engine alone"), ("alone_lora", "The LoRA-serving engine alone, no adapter")):
+            if alone := x.get("ours", {}).get(key):
+                lines += [f"{engine}, nothing else on the GPU: {num(alone['tokens_per_s'], 0)} tokens/s over "
+                          f"{alone['groups']} groups at the producers' concurrency.", ""]
         for who, side in x.items():  # a side whose run failed before it wrote figures
             if isinstance(side, dict) and side.get("error"):
                 lines += [f"{who} failed: {first_sentences(side['error'])}", ""]

@@ -94,6 +94,14 @@ def missing_paragraph(results_dir: Path) -> str:
                    f"{pct(sync['gen_s'] / sync['wall_s'])} generation, so hiding the learner gives at most "
                    f"x{num(sync['wall_s'] / sync['gen_s'])}, and the rest came from keeping the engine full; 2.0 "
                    f"would need a learner about as slow as generation.")
+        if alone := ours.get("alone_lora"):
+            # Async trains at most what its engine generates, and the engine generates at most what it does alone.
+            bound = alone["tokens_per_s"] / sync["completion_tokens_per_s"]
+            where = "" if alone.get("host") == sync.get("host") else " (on another machine of the same kind)"
+            out.append(f"The engine alone, with nothing else on the GPU, generated {num(alone['tokens_per_s'], 0)} "
+                       f"tokens/s at the producers' concurrency{where}: async can train no faster, so async ÷ sync "
+                       f"is bounded by x{num(bound)} on this card" + (", and 2.0 is out of its reach." if bound < 2.0
+                                                                     else "."))
     trl = first.get("trl_lora")
     if not trl or not trl.get("steps"):
         out.append("TRL's side (`bash bench/gpu/run_7b.sh 570 trl`) has given no figure yet.")

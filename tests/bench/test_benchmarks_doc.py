@@ -59,3 +59,28 @@ def test_the_7b_section_sets_trls_side_beside_ours_and_names_the_goals_missed():
         assert "no step ran. OutOfMemoryError: CUDA out of memory." in seven_b.seven_b_block(work)
     finally:
         shutil.rmtree(work)
+
+
+def test_the_engine_alone_bounds_what_async_can_gain_over_sync():
+    """An ``alone_lora`` side (the engine by itself) turns the 2.0 goal's shortfall into a measured bound."""
+    import json
+    import shutil
+
+    from bench import common
+    from bench.report import seven_b
+
+    (common.ROOT / ".cache").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=common.ROOT / ".cache"))
+    try:
+        doc = json.loads((common.ROOT / "bench" / "results" / "gpu_workload_h100_q7.json").read_text())
+        ours = doc["results"]["qwen2.5-7b"]["ours"]
+        assert "bounded by" not in seven_b.missing_paragraph(common.ROOT / "bench" / "results")
+        ours["alone_lora"] = {"groups": 64, "tokens": 1, "wall_s": 1.0,
+                              "tokens_per_s": 1.8 * ours["sync_lora"]["completion_tokens_per_s"]}
+        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
+        assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in seven_b.missing_paragraph(work)
+        ours["alone_lora"]["tokens_per_s"] *= 1.5
+        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
+        assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(work)
+    finally:
+        shutil.rmtree(work)
