@@ -105,9 +105,10 @@ class StochasticAdamW(torch.optim.Optimizer):
     ``compiled``: bfloat16 parameters are updated by one ``torch.compile``d function (dynamic shapes; its
     coefficients, keys and offsets passed as tensors, so it compiles once, not every step). Eager, each chunk is
     dozens of launches and as many passes over memory, most of them the rounding's int64 hash: at 7B on an H100
-    a step took 59 times torch's fused AdamW. Compiled, the same maths runs fused; its float32 arithmetic may
-    round differently from eager's in the last place, so a run keeps one setting (the seed's reproducibility
-    holds within it). Float32 parameters keep the eager, exact update."""
+    a step took about sixty times torch's fused AdamW, compiled under four (docs/BENCHMARKS.md). Compiled, the
+    same maths runs fused; its float32 arithmetic may round differently from eager's in the last place, so a run
+    keeps one setting (the seed's reproducibility holds within it). Float32 parameters keep the eager, exact
+    update."""
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,

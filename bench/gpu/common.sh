@@ -5,7 +5,7 @@
 #   PY                       the interpreter ($PYTHON, default python3)
 #   step NAME LIMIT CMD...   run CMD with a time limit, log to $OUT/NAME.log, append "NAME rc= Ns" to the summary
 #   build_q05                build the Qwen2-0.5B-shaped model in /tmp/q05 (its own process) unless it exists
-#   run NAME MIN_S CMD...    (with LOG, BUDGET and T0 set) CMD in its own process group, output to $LOG, under the
+#   run NAME MIN_S CMD...    (with LOG and BUDGET set) CMD in its own process group, output to $LOG, under the
 #                            time left in BUDGET less a margin, skipped if less than MIN_S is left
 # Results and logs land in $OUT (default /tmp/out). Callers set SUMMARY (default summary.txt) before sourcing
 # if they need another summary file.
@@ -21,7 +21,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # asyncrl importable in the
 step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/$SUMMARY"; }
 build_q05() { [ -d /tmp/q05 ] || step build 150 "$PY" -m bench.gpu.build_qwen05 /tmp/q05; }
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
+left() { echo $(( BUDGET - SECONDS )); }  # from the script's start: its setup (a vLLM import) is ~30 s
 run() {  # run NAME MIN_S CMD...: in its own process group, under a limit of what is left (less a margin);
   # at the limit, or once it is done, the whole group goes (engines, servers and TRL runs it started included)
   local name=$1 min=$2; shift 2; local limit=$(( $(left) - 15 )) t=$SECONDS

@@ -28,7 +28,7 @@ for pkg in peft trl fp8; do
   [ -d "/tmp/$pkg-site" ] || for w in ".cache/gpu-$pkg"/*.whl; do "$PY" -m zipfile -e "$w" "/tmp/$pkg-site"; done
 done
 export PYTHONPATH="$PYTHONPATH:/tmp/peft-site:/tmp/fp8-site" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-LOG="$OUT/run.log"; T0=0  # the budget counts from the script's start: the setup above (a vLLM import) is ~30 s
+LOG="$OUT/run.log"
 # Result files live where a warm machine keeps them between commands (a fresh $OUT comes with each), so that
 # --resume finds the sides an earlier command measured; they are copied into $OUT after every step.
 KEEP=.cache/bench/gpu-7b; mkdir -p "$KEEP"

@@ -17,8 +17,7 @@ source bench/gpu/common.sh
 PEFT_WHEELS=${PEFT_WHEELS:-.cache/gpu-peft}
 [ -d /tmp/peft-site ] || for w in "$PEFT_WHEELS"/*.whl; do "$PY" -m zipfile -e "$w" /tmp/peft-site; done
 export PYTHONPATH="$PYTHONPATH:/tmp/peft-site"
-T0=0  # the budget counts from the script's start: the setup above (a vLLM import) is ~30 s
-left() { echo $(( BUDGET - (SECONDS - T0) - 10 )); }
+left() { echo $(( BUDGET - SECONDS - 10 )); }  # from the script's start, setup included
 LORA=(-m bench.gpu.lora --out "$OUT" --steps "${LORA_STEPS:-12}" --lora-sides "${LORA_SIDES:-full,lora}")
 for s in $STEPS; do case $s in
   tests) step tests "$(left)" "$PY" -m pytest -o addopts="" -v --no-header -m gpu tests/lora/test_lora_gpu.py \

@@ -22,7 +22,7 @@ case $KIND in
 esac
 TRL_WHEELS=${TRL_WHEELS:-.cache/gpu-trl}
 [ -d /tmp/trl-site ] || for w in "$TRL_WHEELS"/*.whl; do "$PY" -m zipfile -e "$w" /tmp/trl-site; done
-LOG="$OUT/run.log"; T0=0  # the budget counts from the script's start: the setup above (a vLLM import) is ~30 s
+LOG="$OUT/run.log"
 # WORKLOAD_ARGS: more flags for every workload step (e.g. "--steps 24 --max-staleness 4").
 read -r -a EXTRA <<< "${WORKLOAD_ARGS:-}"
 WL=(-m bench.gpu.workload --out "$OUT" --trl-python "$PY" --trl-path /tmp/trl-site "${EXTRA[@]}")

@@ -26,7 +26,11 @@ def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    return results_of(doc), f"`{path.relative_to(common.ROOT)}`, {doc['hardware']['cpu']}, {str(doc['date'])[:10]}"
+    return results_of(doc), _cite(path, doc)
+
+
+def _cite(path: Path, doc: dict[str, Any]) -> str:
+    return f"`{path.relative_to(common.ROOT)}`, {doc['hardware']['cpu']}, {str(doc['date'])[:10]}"
 
 
 def demo_block(results_dir: Path) -> str:
@@ -283,11 +287,11 @@ def fp8_learning(results_dir: Path) -> str:
     (``gpu_workload_*_q15_fp8_s24*.json``: seed 0 untagged, then ``_seed<N>``)."""
     runs = []
     for path in sorted(results_dir.glob("gpu_workload_*_q15_fp8_s24*.json")):
-        seed = json.loads(path.read_text())["parameters"]["seed"]
-        r, source = _load(results_dir, path.stem)
+        doc = json.loads(path.read_text())
+        r = results_of(doc)
         ours = r["qwen2-1.5b"]["ours"]
         if "async" in ours and "async_fp8" in ours:
-            runs.append((seed, ours, r["summary"], source))
+            runs.append((doc["parameters"]["seed"], ours, r["summary"], _cite(path, doc)))
     if not runs:
         return ""
     runs.sort(key=lambda run: run[0])

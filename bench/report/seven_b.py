@@ -110,7 +110,7 @@ def missing_paragraph(results_dir: Path) -> str:
         out.append(f"Over TRL, x{num(over)} is short of the 3.0 set.")
     if trl and trl.get("rewards") and statistics.mean(trl["rewards"]) > statistics.mean(ours["async_lora"]["rewards"]):
         out.append("Ours async's mean reward is below TRL's.")
-    full = [(r[SHAPE]["ours"].get("async") or {}).get("steps", 0) for r, _, _, a in _runs(results_dir, False)
+    full = [(r[SHAPE]["ours"].get("async") or {}).get("steps", 0) for r, _, _, a in _runs(results_dir, repeats=False)
             if a.get("optimizer") == "adamw_bf16" and SHAPE in r]
     if max(full, default=0) < 24:
         out.append("Full fine-tuning has not run its 24 steps on an H200 (`run_7b.sh 570 full`, then `fullsync`).")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
-from bench import report
+import pytest
+
+from bench import common, report
+from bench.report import seven_b
 from bench.gpu.workload_rates import fastest_trl
 
 
@@ -28,59 +33,54 @@ def test_the_gpu_headline_compares_with_trls_fastest_mode():
     assert fastest_trl({"ours": {}}) is None
 
 
-def test_the_7b_section_sets_trls_side_beside_ours_and_names_the_goals_missed():
-    """TRL's LoRA side, when a file has it, is compared with ours async; what falls short of issue 38's goals, or
-    has no figure, is said in the generated "what is missing" line rather than retyped."""
-    import json
-    import shutil
 
-    from bench import common
-    from bench.report import seven_b
-
+@pytest.fixture
+def q7_copy():
+    """A scratch results directory holding the 7B files, inside the repository (the report cites files relative
+    to it), and a writer for the LoRA workload file's results."""
     results = common.ROOT / "bench" / "results"
     (common.ROOT / ".cache").mkdir(exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=common.ROOT / ".cache"))  # sources are cited relative to the repository
-    try:
-        for name in ("gpu_workload_h100_q7.json", "optimizer_h100_qwen25-7b.json", "fp8_h100_qwen25-7b.json"):
-            shutil.copy(results / name, work)
-        assert "TRL's side" in seven_b.missing_paragraph(work) and "TRL GRPOTrainer" not in seven_b.seven_b_block(work)
-        doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
-        ours = doc["results"]["qwen2.5-7b"]["ours"]["async_lora"]
-        trl = {**ours, "steps": 3, "partial": True, "samples_per_s": ours["samples_per_s"] / 3,
-               "completion_tokens_per_s": ours["completion_tokens_per_s"] / 2.5, "rewards": [0.99] * 3}
-        doc["results"]["qwen2.5-7b"]["trl_lora"] = trl
-        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
-        block, missing = seven_b.seven_b_block(work), seven_b.missing_paragraph(work)
-        assert "3 steps, cut short by the command's limit" in block and "ours async ran **x2.50** TRL's" in block
-        assert "Over TRL, x2.50 is short of the 3.0 set." in missing and "mean reward is below TRL's" in missing
-        assert "Full fine-tuning has not run its 24 steps" in missing and "compiled step" not in missing
-        doc["results"]["qwen2.5-7b"]["trl_lora"] = {"error": "OutOfMemoryError: CUDA out of memory. Tried more."}
-        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
-        assert "no step ran. OutOfMemoryError: CUDA out of memory." in seven_b.seven_b_block(work)
-    finally:
-        shutil.rmtree(work)
-
-
-def test_the_engine_alone_bounds_what_async_can_gain_over_sync():
-    """An ``alone_lora`` side (the engine by itself) turns the 2.0 goal's shortfall into a measured bound."""
-    import json
-    import shutil
-
-    from bench import common
-    from bench.report import seven_b
-
-    (common.ROOT / ".cache").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=common.ROOT / ".cache"))
-    try:
-        doc = json.loads((common.ROOT / "bench" / "results" / "gpu_workload_h100_q7.json").read_text())
-        ours = doc["results"]["qwen2.5-7b"]["ours"]
-        assert "bounded by" not in seven_b.missing_paragraph(common.ROOT / "bench" / "results")
-        ours["alone_lora"] = {"groups": 64, "tokens": 1, "wall_s": 1.0,
-                              "tokens_per_s": 1.8 * ours["sync_lora"]["completion_tokens_per_s"]}
+    for name in ("gpu_workload_h100_q7.json", "optimizer_h100_qwen25-7b.json", "fp8_h100_qwen25-7b.json"):
+        shutil.copy(results / name, work)
+    doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
+
+    def write(shape: dict) -> Path:
+        doc["results"]["qwen2.5-7b"] = shape
         (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
-        assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in seven_b.missing_paragraph(work)
-        ours["alone_lora"]["tokens_per_s"] *= 1.5
-        (work / "gpu_workload_h100_q7.json").write_text(json.dumps(doc))
-        assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(work)
-    finally:
-        shutil.rmtree(work)
+        return work
+
+    yield doc["results"]["qwen2.5-7b"], write
+    shutil.rmtree(work)
+
+
+def test_the_7b_section_sets_trls_side_beside_ours_and_names_the_goals_missed(q7_copy):
+    """TRL's LoRA side, when a file has it, is compared with ours async; what falls short of issue 38's goals, or
+    has no figure, is said in the generated "what is missing" line rather than retyped."""
+    shape, write = q7_copy
+    shape.pop("trl_lora", None)
+    work = write(shape)
+    assert "TRL's side" in seven_b.missing_paragraph(work) and "TRL GRPOTrainer" not in seven_b.seven_b_block(work)
+    ours = shape["ours"]["async_lora"]
+    shape["trl_lora"] = {**ours, "steps": 3, "partial": True, "samples_per_s": ours["samples_per_s"] / 3,
+                         "completion_tokens_per_s": ours["completion_tokens_per_s"] / 2.5, "rewards": [0.99] * 3}
+    work = write(shape)
+    block, missing = seven_b.seven_b_block(work), seven_b.missing_paragraph(work)
+    assert "3 steps, cut short by the command's limit" in block and "ours async ran **x2.50** TRL's" in block
+    assert "Over TRL, x2.50 is short of the 3.0 set." in missing and "mean reward is below TRL's" in missing
+    assert "Full fine-tuning has not run its 24 steps" in missing and "compiled step" not in missing
+    shape["trl_lora"] = {"error": "OutOfMemoryError: CUDA out of memory. Tried more."}
+    assert "no step ran. OutOfMemoryError: CUDA out of memory." in seven_b.seven_b_block(write(shape))
+
+
+def test_the_engine_alone_bounds_what_async_can_gain_over_sync(q7_copy):
+    """An ``alone_lora`` side (the engine by itself) turns the 2.0 goal's shortfall into a measured bound."""
+    shape, write = q7_copy
+    ours = shape["ours"]
+    ours.pop("alone_lora", None)
+    assert "bounded by" not in seven_b.missing_paragraph(write(shape))
+    ours["alone_lora"] = {"groups": 64, "tokens": 1, "wall_s": 1.0,
+                          "tokens_per_s": 1.8 * ours["sync_lora"]["completion_tokens_per_s"]}
+    assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in seven_b.missing_paragraph(write(shape))
+    ours["alone_lora"]["tokens_per_s"] *= 1.5
+    assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(write(shape))
