@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p = parser(__doc__)
     p.add_argument("--shape", default="qwen2-1.5b", help="a bench.gpu.countdown shape")
     p.add_argument("--seqs", type=int, default=256, help="sequences decoded at once")
-    p.add_argument("--also-seqs", default="",
+    p.add_argument("--also-seqs", default=[], type=lambda text: [int(n) for n in text.split(",") if n.strip()],
                    help="more concurrencies to decode at on the same engines, comma-separated (FP8 weights save "
                         "bandwidth: they pay most where decode is bound by reading the weights, at few sequences)")
     p.add_argument("--tokens", type=int, default=512, help="tokens decoded per sequence (ignore_eos)")
@@ -72,7 +72,7 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
     torch.cuda.reset_peak_memory_stats()
     try:
         await engine.generate((10, 11, 12), SamplingConfig(n=1, max_tokens=8, seed=0), "warm-up")
-        by_seqs = {n: await decode(engine, args.tokens, n) for n in also_seqs(args)}
+        by_seqs = {n: await decode(engine, args.tokens, n) for n in args.also_seqs}
         tokens, decode_s = await decode(engine, args.tokens, args.seqs)
         sync = WeightSync(engine, VersionClock(engine.version), SyncConfig(mode=PauseMode.KEEP))
         pauses, prepares = [], []
@@ -96,10 +96,6 @@ async def one_engine(args: Any, model_dir: Path, quantization: str | None, learn
         # counts them as used.
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def also_seqs(args: Any) -> list[int]:
-    return [int(n) for n in args.also_seqs.split(",") if n.strip()]
 
 
 async def decode(engine: Any, tokens: int, seqs: int) -> tuple[int, float]:
@@ -134,7 +130,7 @@ async def run(args: Any) -> dict[str, Any]:
     pause = [r["fp8"]["publication_pause_median_s"] / r["bf16"]["publication_pause_median_s"] for r in rounds]
     by_seqs = {n: statistics.median(r["fp8"]["decode_tokens_per_s_by_seqs"][n]
                                     / r["bf16"]["decode_tokens_per_s_by_seqs"][n] for r in rounds)
-               for n in also_seqs(args)}
+               for n in args.also_seqs}
     return {"rounds": rounds, "decode_speedup_fp8_over_bf16": ratio, "decode_speedup_median_by_seqs": by_seqs,
             "decode_speedup_median": statistics.median(ratio), "pause_ratio_fp8_over_bf16": pause,
             "pause_ratio_median": statistics.median(pause)}
