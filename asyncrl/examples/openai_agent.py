@@ -254,7 +254,7 @@ def prepare_model(args: argparse.Namespace, task: common.Task) -> tuple[Path, di
 
 def report(args: argparse.Namespace, result: dict[str, Any], warm: dict[str, Any], total_s: float) -> None:
     rows = tracking.read_jsonl(args.out / "metrics.jsonl")
-    summary = {**result, "warm_start": warm, "total_s": total_s, "args": {k: str(v) for k, v in vars(args).items()}}
+    summary = {**result, "warm_start": warm, "total_s": total_s, "args": common.jsonable(vars(args))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     rows = [{**r, "episode/tool_call_rate": r.get("agent/calls_per_episode", 1.0) - 1.0} for r in rows]
     png = tracking.plot_tool_run(rows, args.out / "openai_agent.png", result["before"], result["after"],
