@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.1f}%"
@@ -23,3 +28,10 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
 def first_sentences(error: str, limit: int = 5) -> str:
     """An error's first sentences: torch's out-of-memory message goes on with advice."""
     return ". ".join(error.split(". ")[:limit]).rstrip(".") + "."
+
+
+def cite(path: Path, doc: dict[str, Any]) -> str:
+    """How the docs cite a results file: the file, the machine that measured it (its GPU where it ran on one, else
+    its CPU model), its date."""
+    hw = doc["hardware"]
+    return f"`{path.relative_to(common.ROOT)}`, {hw.get('gpu') or hw['cpu']}, {str(doc['date'])[:10]}"

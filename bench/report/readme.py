@@ -11,7 +11,7 @@ from typing import Any
 from bench import common
 from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl
 from bench.report.document import repeat_of, results_of
-from bench.report.format import ms, num, pct
+from bench.report.format import cite, ms, num, pct
 from bench.report.gpu import compiled_kind
 from bench.report.learning import multi_seed
 from bench.report import seven_b
@@ -26,11 +26,7 @@ def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    return results_of(doc), _cite(path, doc)
-
-
-def _cite(path: Path, doc: dict[str, Any]) -> str:
-    return f"`{path.relative_to(common.ROOT)}`, {doc['hardware']['cpu']}, {str(doc['date'])[:10]}"
+    return results_of(doc), cite(path, doc)
 
 
 def demo_block(results_dir: Path) -> str:
@@ -191,7 +187,7 @@ def lora_block(results_dir: Path) -> str:
                      f"{'met' if r['meets_target'] else '**not met**'} ({source}).")
     for path in sorted(results_dir.glob("lora_h200*.json")):
         doc = json.loads(path.read_text())
-        source = f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
+        source = cite(path, doc)
         for shape, e in results_of(doc)["shapes"].items():
             v, full, lora = e.get("lora_over_full"), e.get("full"), e.get("lora")
             if not (v and full and lora):
@@ -291,7 +287,7 @@ def fp8_learning(results_dir: Path) -> str:
         r = results_of(doc)
         ours = r["qwen2-1.5b"]["ours"]
         if "async" in ours and "async_fp8" in ours:
-            runs.append((doc["parameters"]["seed"], ours, r["summary"], _cite(path, doc)))
+            runs.append((doc["parameters"]["seed"], ours, r["summary"], cite(path, doc)))
     if not runs:
         return ""
     runs.sort(key=lambda run: run[0])

@@ -14,7 +14,7 @@ from bench import common
 from bench.gpu.planted import param_count
 from bench.gpu.workload_rates import summarise
 from bench.report.document import repeat_of, results_of
-from bench.report.format import first_sentences, ms, num, pct, table
+from bench.report.format import cite, first_sentences, ms, num, pct, table
 
 SHAPE = "qwen2.5-7b"
 GIB = 2**30
@@ -28,13 +28,8 @@ def _runs(results_dir: Path, repeats: bool = True) -> list[tuple[dict[str, Any],
     out = []
     for path in paths:
         doc = json.loads(path.read_text())
-        out.append((results_of(doc), _source(path, doc), path, doc.get("parameters", {})))
+        out.append((results_of(doc), cite(path, doc), path, doc.get("parameters", {})))
     return out
-
-
-def _source(path: Path, doc: dict[str, Any]) -> str:
-    """How the docs cite a GPU result file: the file, its GPU, its date."""
-    return f"`{path.relative_to(common.ROOT)}`, {doc['hardware'].get('gpu')}, {str(doc['date'])[:10]}"
 
 
 def logged_steps(log: Path) -> list[list[float]]:
@@ -128,7 +123,7 @@ def _doc(path: Path) -> tuple[dict[str, Any], str] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    return results_of(doc), _source(path, doc)
+    return results_of(doc), cite(path, doc)
 
 
 def pause_line(results_dir: Path) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from bench import common, report
 from bench.report import seven_b
+from bench.report.format import cite
 from bench.gpu.workload_rates import fastest_trl
 
 
@@ -84,3 +85,14 @@ def test_the_engine_alone_bounds_what_async_can_gain_over_sync(q7_copy):
     assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in seven_b.missing_paragraph(write(shape))
     ours["alone_lora"]["tokens_per_s"] *= 1.5
     assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(write(shape))
+
+
+def test_a_figure_cites_the_machine_that_measured_it():
+    # A GPU result names its GPU, not the host's CPU beside it; a CPU result names its CPU model.
+    path = common.ROOT / "bench" / "results" / "x.json"
+    gpu = {"hardware": {"cpu": "Intel(R) Xeon(R) Processor", "gpu": "NVIDIA H100 80GB HBM3"}, "date": "2026-12-06T17"}
+    cpu = {"hardware": {"cpu": "AMD EPYC", "gpu": None}, "date": "2026-12-02T10"}
+    assert cite(path, gpu) == "`bench/results/x.json`, NVIDIA H100 80GB HBM3, 2026-12-06"
+    assert cite(path, cpu) == "`bench/results/x.json`, AMD EPYC, 2026-12-02"
+    blocks = (common.ROOT / "docs" / "RESULTS.md").read_text()
+    assert "gpu_workload_h200.json`, NVIDIA H200" in blocks
