@@ -105,7 +105,7 @@ class StochasticAdamW(torch.optim.Optimizer):
     ``compiled``: bfloat16 parameters are updated by one ``torch.compile``d function (dynamic shapes; its
     coefficients, keys and offsets passed as tensors, so it compiles once, not every step). Eager, each chunk is
     dozens of launches and as many passes over memory, most of them the rounding's int64 hash: at 7B on an H100
-    a step took about sixty times torch's fused AdamW, compiled under four (docs/BENCHMARKS.md). Compiled, the
+    a step took dozens of times torch's fused AdamW, compiled a few times (docs/BENCHMARKS.md). Compiled, the
     same maths runs fused; its float32 arithmetic may round differently from eager's in the last place, so a run
     keeps one setting (the seed's reproducibility holds within it). Float32 parameters keep the eager, exact
     update."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench import common
 from bench.report import gpu, learning, peers, pipeline, scaling
-from bench.report.format import num
+from bench.report.format import cite, num
 
 DOC = common.ROOT / "docs" / "BENCHMARKS.md"
 
@@ -18,6 +18,14 @@ DOC = common.ROOT / "docs" / "BENCHMARKS.md"
 def results_of(doc: dict[str, Any]) -> dict[str, Any]:
     """Result files written before the common header kept their figures at the top level."""
     return doc.get("results") or doc
+
+
+def load_cited(path: Path) -> tuple[dict[str, Any], str] | None:
+    """A result file's figures and how the docs cite it (``format.cite``); None if there is no such file."""
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return results_of(doc), cite(path, doc)
 
 
 # File name prefix -> (title, what it measures, formatter), from the section modules.

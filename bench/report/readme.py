@@ -10,7 +10,7 @@ from typing import Any
 
 from bench import common
 from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl
-from bench.report.document import repeat_of, results_of
+from bench.report.document import load_cited, repeat_of, results_of
 from bench.report.format import cite, ms, num, pct
 from bench.report.gpu import compiled_kind
 from bench.report.learning import multi_seed
@@ -22,11 +22,7 @@ GPU = common.ROOT / "docs" / "GPU.md"
 
 
 def _load(results_dir: Path, name: str) -> tuple[dict[str, Any], str] | None:
-    path = results_dir / f"{name}.json"
-    if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
-    return results_of(doc), cite(path, doc)
+    return load_cited(results_dir / f"{name}.json")
 
 
 def demo_block(results_dir: Path) -> str:

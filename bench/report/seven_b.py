@@ -13,7 +13,7 @@ from typing import Any
 from bench import common
 from bench.gpu.planted import param_count
 from bench.gpu.workload_rates import summarise
-from bench.report.document import repeat_of, results_of
+from bench.report.document import load_cited, repeat_of, results_of
 from bench.report.format import cite, first_sentences, ms, num, pct, table
 
 SHAPE = "qwen2.5-7b"
@@ -118,19 +118,11 @@ def missing_paragraph(results_dir: Path) -> str:
     return "What is missing: " + " ".join(out) if out else "Every goal of this section is measured."
 
 
-def _doc(path: Path) -> tuple[dict[str, Any], str] | None:
-    """A result file's figures and how to cite it (file, GPU, date)."""
-    if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
-    return results_of(doc), cite(path, doc)
-
-
 def pause_line(results_dir: Path) -> str:
     """LoRA's pause against a full-weight publication's at 7B: the full-weight one is measured by the FP8 bench
     on an idle engine, so LoRA's is compared where its engine is idle too (the sync side publishes between
     steps); async's, in keep mode, also waits out the engine step in flight."""
-    full = _doc(results_dir / "fp8_h100_qwen25-7b.json")
+    full = load_cited(results_dir / "fp8_h100_qwen25-7b.json")
     lora = next((r[SHAPE]["ours"] for r, _, _, _ in _runs(results_dir, repeats=False)
                  if (r.get(SHAPE, {}).get("ours", {}).get("sync_lora") or {}).get("steps")), None)
     if full is None or lora is None:
@@ -175,7 +167,7 @@ def full_line(results_dir: Path) -> str:
 
 def _optimizer_runs(results_dir: Path) -> list[tuple[dict[str, Any], str]]:
     """``bench.gpu.optimizer`` at the 7B shape, on any GPU."""
-    return [x for path in sorted(results_dir.glob("optimizer_*_qwen25-7b.json")) if (x := _doc(path))]
+    return [x for path in sorted(results_dir.glob("optimizer_*_qwen25-7b.json")) if (x := load_cited(path))]
 
 
 def sync_line(sync: dict[str, Any], async_side: dict[str, Any], summary: dict[str, float]) -> str:
@@ -274,7 +266,7 @@ def fits(total: float) -> str:
 
 def fp8_paragraph(results_dir: Path) -> str:
     """FP8 against bf16 decode at 7B, at each concurrency the file measured, and the pause into each."""
-    x = _doc(results_dir / "fp8_h100_qwen25-7b.json")
+    x = load_cited(results_dir / "fp8_h100_qwen25-7b.json")
     if x is None:
         return ""
     r, source = x

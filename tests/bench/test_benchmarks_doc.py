@@ -34,7 +34,6 @@ def test_the_gpu_headline_compares_with_trls_fastest_mode():
     assert fastest_trl({"ours": {}}) is None
 
 
-
 @pytest.fixture
 def q7_copy():
     """A scratch results directory holding the 7B files, inside the repository (the report cites files relative
