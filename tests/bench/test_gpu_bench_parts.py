@@ -181,3 +181,19 @@ def test_the_peer_is_killed_before_the_deadline_with_room_to_write(tmp_path):
     assert report.peer_timeout() == 1.0
     report.args = parse_args(["--out", str(tmp_path), "--cpu-smoke", "--trl-timeout", "500"])
     assert report.peer_timeout() == 500
+
+
+def test_a_side_is_expected_to_take_as_long_as_its_twin_and_an_engine_is_not_started_for_nothing(tmp_path):
+    """``async_fp8`` is budgeted from ``async`` measured earlier in the run (not the table's figure for every
+    shape), and the time an engine still has to start counts against the deadline."""
+    from bench.gpu.workload import EXIT_GRACE_S, SIDE_NEEDS_S, Report, parse_args
+
+    report = Report(parse_args(["--out", str(tmp_path), "--cpu-smoke", "--deadline-s", "300"]), None)
+    report.t0 -= 300 - SIDE_NEEDS_S["async_fp8"] + 10  # the table's figure no longer fits
+    assert not report.fits("async_fp8")
+    measured = {"async": {"wall_s": 40.0}}  # its twin took 40 s: 40 * 1.25 + the grace fits the 140 s left
+    assert 40 * 1.25 + EXIT_GRACE_S < SIDE_NEEDS_S["async_fp8"] - 10
+    assert report.fits("async_fp8", measured)
+    assert not report.fits("async_fp8", measured, engine_start_s=90.0)
+    assert not report.fits("async_fp8", {"async": {"wall_s": 40.0, "partial": True}})  # a cut twin says nothing
+    assert report.skipped == ["async_fp8"]  # once, however often it was asked
