@@ -374,7 +374,9 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
     # An engine that would start only to find no time left for its sides is not started: it is expected to take
     # as long as the run's earlier engine did.
     earlier_start = max((v for k, v in out.items() if k.startswith("engine_start_s")), default=0.0)
-    if not any(report.fits(s + suffix, out, engine_start_s=earlier_start) for s in todo):
+    if not any(report.time_left_for(s + suffix, out, engine_start_s=earlier_start) for s in todo):
+        for s in todo:
+            report.skip(s + suffix)
         return
     lora = LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha) if variant == "lora" else None
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -440,18 +442,24 @@ class Report:
             keep = ("date", "command", "hardware", "total_s", "continues")
             self.result.doc["continues"] = [{k: doc.get(k) for k in keep}]
 
-    def fits(self, side: str, measured: dict[str, Any] | None = None, engine_start_s: float = 0.0) -> bool:
+    def time_left_for(self, side: str, measured: dict[str, Any] | None = None, engine_start_s: float = 0.0) -> bool:
         """Whether ``side`` would end before ``--deadline-s``: what it needs (its twin's time in ``measured``, the
         sides measured so far, else ``SIDE_NEEDS_S``), after ``engine_start_s`` for an engine still to start."""
         twin = (measured or {}).get(TWINS.get(side, ""))
         done = twin and "wall_s" in twin and not twin.get("partial")
         need = 1.25 * twin["wall_s"] + EXIT_GRACE_S if done else SIDE_NEEDS_S[side]
-        if not self.args.deadline_s or time.perf_counter() - self.t0 + engine_start_s + need < self.args.deadline_s:
+        return not self.args.deadline_s or time.perf_counter() - self.t0 + engine_start_s + need < self.args.deadline_s
+
+    def fits(self, side: str, measured: dict[str, Any] | None = None) -> bool:
+        """``time_left_for(side, measured)``, recording the side as skipped when there is not."""
+        if self.time_left_for(side, measured):
             return True
-        if side not in self.skipped:
-            self.skipped.append(side)
-        print(f"skipping {side}: it would not end before --deadline-s {self.args.deadline_s:.0f}", flush=True)
+        self.skip(side)
         return False
+
+    def skip(self, side: str) -> None:
+        self.skipped.append(side)
+        print(f"skipping {side}: it would not end before --deadline-s {self.args.deadline_s:.0f}", flush=True)
 
     def peer_timeout(self) -> float:
         """``--trl-timeout``, cut to end EXIT_GRACE_S before ``--deadline-s``: the peer is killed and what it ran is

@@ -182,9 +182,8 @@ def lora_block(results_dir: Path) -> str:
                      f"the goal of +{r['target_gain'] * 100:.0f} in every seed is "
                      f"{'met' if r['meets_target'] else '**not met**'} ({source}).")
     for path in sorted(results_dir.glob("lora_h200*.json")):
-        doc = json.loads(path.read_text())
-        source = cite(path, doc)
-        for shape, e in results_of(doc)["shapes"].items():
+        r, source = load_cited(path)
+        for shape, e in r["shapes"].items():
             v, full, lora = e.get("lora_over_full"), e.get("full"), e.get("lora")
             if not (v and full and lora):
                 continue

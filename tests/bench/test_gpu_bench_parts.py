@@ -183,17 +183,35 @@ def test_the_peer_is_killed_before_the_deadline_with_room_to_write(tmp_path):
     assert report.peer_timeout() == 500
 
 
-def test_a_side_is_expected_to_take_as_long_as_its_twin_and_an_engine_is_not_started_for_nothing(tmp_path):
+def test_a_side_is_expected_to_take_as_long_as_its_twin(tmp_path):
     """``async_fp8`` is budgeted from ``async`` measured earlier in the run (not the table's figure for every
     shape), and the time an engine still has to start counts against the deadline."""
     from bench.gpu.workload import EXIT_GRACE_S, SIDE_NEEDS_S, Report, parse_args
 
     report = Report(parse_args(["--out", str(tmp_path), "--cpu-smoke", "--deadline-s", "300"]), None)
     report.t0 -= 300 - SIDE_NEEDS_S["async_fp8"] + 10  # the table's figure no longer fits
-    assert not report.fits("async_fp8")
+    assert not report.time_left_for("async_fp8")
     measured = {"async": {"wall_s": 40.0}}  # its twin took 40 s: 40 * 1.25 + the grace fits the 140 s left
     assert 40 * 1.25 + EXIT_GRACE_S < SIDE_NEEDS_S["async_fp8"] - 10
+    assert report.time_left_for("async_fp8", measured)
+    assert not report.time_left_for("async_fp8", measured, engine_start_s=90.0)
+    assert report.skipped == []  # asking does not record
     assert report.fits("async_fp8", measured)
-    assert not report.fits("async_fp8", measured, engine_start_s=90.0)
     assert not report.fits("async_fp8", {"async": {"wall_s": 40.0, "partial": True}})  # a cut twin says nothing
-    assert report.skipped == ["async_fp8"]  # once, however often it was asked
+    assert report.skipped == ["async_fp8"]
+
+
+def test_no_engine_starts_when_none_of_its_sides_would_end_in_time(tmp_path):
+    """``ours`` counts the run's earlier engine start against the deadline and, when no side of the variant would
+    end, records them all as skipped and returns before starting (or even reading the model for) its engine."""
+    import asyncio
+
+    from bench.gpu.workload import Report, ours, parse_args
+
+    args = parse_args(["--out", str(tmp_path), "--cpu-smoke", "--sides", "async,async_fp8", "--deadline-s", "300"])
+    report = Report(args, None)
+    report.t0 -= 150  # 150 s left: the twin's 80 s fit, not after a 90 s engine start
+    out = {"engine_start_s": 90.0, "async": {"wall_s": 40.0}}
+    asyncio.run(ours(args, tmp_path / "no-model-here", report, out, "fp8"))
+    assert report.skipped == ["async_fp8"]
+    assert "engine_start_s_fp8" not in out and "async_fp8" not in out
