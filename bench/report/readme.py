@@ -290,26 +290,47 @@ def fp8_learning(results_dir: Path) -> str:
     for seed, ours, ratios, _ in runs:
         bf16, fp8 = ours["async"], ours["async_fp8"]
         rows.append(f"seed {seed}: mean reward {_spread(fp8['rewards'])} with FP8 rollouts against "
-                    f"{_spread(bf16['rewards'])} with bf16, trained completion tokens/s "
-                    f"**x{num(ratios['qwen2-1.5b/async_fp8_over_async_tokens'], 3)}** "
-                    f"({num(fp8['completion_tokens_per_s'], 0)} against {num(bf16['completion_tokens_per_s'], 0)}; "
-                    f"x{num(ratios['qwen2-1.5b/async_fp8_over_async_steady'], 3)} over the steady steps)")
+                    f"{_spread(bf16['rewards'])} with bf16, trained completion tokens/s over the steady steps "
+                    f"**x{num(ratios['qwen2-1.5b/async_fp8_over_async_steady'], 3)}** "
+                    f"({num(fp8['completion_tokens_per_s_steady'], 0)} against "
+                    f"{num(bf16['completion_tokens_per_s_steady'], 0)}), x"
+                    f"{num(ratios['qwen2-1.5b/async_fp8_over_async_tokens'], 3)} over the whole run, whose first "
+                    f"step ended at {num(fp8['step_end_s'][0], 1)} s against {num(bf16['step_end_s'][0], 1)} s")
     gaps = [statistics.mean(o["async_fp8"]["rewards"]) - statistics.mean(o["async"]["rewards"]) for _, o, _, _ in runs]
-    speed = [r["qwen2-1.5b/async_fp8_over_async_tokens"] for _, _, r, _ in runs]
+    speed = [r["qwen2-1.5b/async_fp8_over_async_steady"] for _, _, r, _ in runs]
     kl = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_kl"] if v == v]
     cut = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_cut_frac"] if v == v]
-    fp8_pause = statistics.mean(o["async_fp8"]["publication_pause_s"]["mean"] for _, o, _, _ in runs)
-    bf16_pause = statistics.mean(o["async"]["publication_pause_s"]["mean"] for _, o, _, _ in runs)
     over = (f"Over the {len(runs)} seeds, FP8's mean reward minus bf16's is {_spread(gaps, signed=True)} and the "
-            f"speed-up **x{_spread(speed)}** (mean ± sd). " if len(runs) > 1 else "")
+            f"steady speed-up **x{_spread(speed)}** (mean ± sd). " if len(runs) > 1 else "")
     cuts = (f"at most {pct(max(cut))} of importance weights cut" if cut and max(cut) > 0
             else "no importance weight cut")
+    pauses = "; ".join(f"seed {seed}: {_pause(o['async_fp8'])} into FP8 against {_pause(o['async'])} into bf16"
+                       for seed, o, _, _ in runs)
+    # The bf16 side runs first in each command: its learner's first step pays what precompile_learner's warm-up
+    # left uncompiled, and the FP8 side after it finds that code compiled, so the whole-run ratio flatters FP8.
     return (f"\n\nLearning with FP8 rollouts (the countdown task at 1.5B, {len(runs[0][1]['async_fp8']['rewards'])} "
             f"async steps a side, the same warm start and prompts within a seed, mean ± step-to-step spread): "
-            + "; ".join(rows) + ". " + over
+            + "; ".join(rows) + ". The bf16 side runs first, and its learner's first step compiles code the "
+            "FP8 side then finds ready, so the steady steps (the first two left out) are the fair comparison. " + over
             + f"The mismatch at equal versions stayed small: k3 KL at most {max(kl):.0e} a step, {cuts} "
-            f"(`truncate`), publication pause {ms(fp8_pause)} against {ms(bf16_pause)} "
-            f"({'; '.join(source for *_, source in runs)}).")
+            f"(`truncate`). Publication pause, mean (largest): {pauses} "
+            f"({'; '.join(source for *_, source in runs)}). " + _pairing(max(kl), max(cut, default=0.0)))
+
+
+def _pairing(kl: float, cut: float) -> str:
+    """Which correction to pair with FP8, read from the largest mismatch the runs measured (the guidance for
+    choosing between them is in ARCHITECTURE.md, "Versions, spans and staleness")."""
+    if cut <= 0.01:
+        return (f"So `truncate`, the default, is the correction to pair with FP8 at this shape: its cap cut "
+                f"{pct(cut)} of the equal-version tokens, so the mismatch sits where truncation is enough; token "
+                f"masking (`mask`) is for a mismatch that leaves a few tokens far off, which these runs did not show.")
+    return (f"With {pct(cut)} of the equal-version tokens over truncation's cap (k3 KL up to {kl:.0e}), pair FP8 "
+            f"with token masking (`mask`): the far-off tokens are a numerical mismatch, which masking drops rather "
+            f"than trains on at a capped weight.")
+
+
+def _pause(side: dict[str, Any]) -> str:
+    return f"{ms(side['publication_pause_s']['mean'])} ({ms(side['publication_pause_s']['max'])})"
 
 
 def _spread(values: list[float], signed: bool = False) -> str:

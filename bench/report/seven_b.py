@@ -96,15 +96,20 @@ def missing_paragraph(results_dir: Path) -> str:
             out.append(f"The engine alone, with nothing else on the GPU, generated {num(alone['tokens_per_s'], 0)} "
                        f"tokens/s at the producers' concurrency{where}: async can train no faster, so async ÷ sync "
                        f"is bounded by x{num(bound)} on this card" + (", and 2.0 is out of its reach." if bound < 2.0
-                                                                     else "."))
+                                                                     else ".") + f" Async trained "
+                       f"{pct(ours['async_lora']['completion_tokens_per_s'] / alone['tokens_per_s'])} of it: the "
+                       f"rest went to the learner's share of the GPU, the adapter's kernels (the engine alone served "
+                       f"none) and the pauses, in shares no run has split.")
     trl = first.get("trl_lora")
     if not trl or not trl.get("steps"):
         out.append("TRL's side (`bash bench/gpu/run_7b.sh 570 trl`) has given no figure yet.")
     elif (over := ratios.get(f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
                              + "_tokens")) is not None and over < 3.0:
         out.append(f"Over TRL, x{num(over)} is short of the 3.0 set.")
-    if trl and trl.get("rewards") and statistics.mean(trl["rewards"]) > statistics.mean(ours["async_lora"]["rewards"]):
-        out.append("Ours async's mean reward is below TRL's.")
+    if trl and trl.get("rewards"):
+        n, ours_r, trl_r = equal_step_rewards(ours["async_lora"], trl)
+        if statistics.mean(trl_r) > statistics.mean(ours_r):
+            out.append(f"Ours async's mean reward is below TRL's over the {n} steps both ran.")
     full = [(r[SHAPE]["ours"].get("async") or {}).get("steps", 0) for r, _, _, a in _runs(results_dir, repeats=False)
             if a.get("optimizer") == "adamw_bf16" and SHAPE in r]
     if max(full, default=0) < 24:
@@ -196,11 +201,26 @@ def trl_line(trl: dict[str, Any], async_side: dict[str, Any], summary: dict[str,
         return f"  {who}: no step ran. {first_sentences(trl.get('error', 'No error was recorded.'))}"
     key = f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
     cut = ", cut short by the command's limit" if trl.get("partial") else ""
+    n, ours_r, trl_r = equal_step_rewards(async_side, trl)
+    spread = max(statistics.stdev(ours_r), statistics.stdev(trl_r)) if n > 1 else 0.0
+    gap = abs(statistics.mean(ours_r) - statistics.mean(trl_r))
+    within = " (within the step-to-step spread)" if gap <= spread else ""
     return (f"  {who}: {trl['steps']} steps{cut}, {num(trl['completion_tokens_per_s'], 0)} trained completion "
             f"tokens/s (mean length {num(trl['completion_len_mean'], 0)}), whole-GPU peak "
-            f"{num(max(trl['gpu_peak_used_gib']), 1)} GiB, mean reward {num(statistics.mean(trl['rewards']), 3)}: "
-            f"ours async ran **x{num(summary[key + '_tokens'])}** TRL's trained tokens/s "
-            f"(x{num(summary[key])} samples/s), mean reward {num(statistics.mean(async_side['rewards']), 3)}.")
+            f"{num(max(trl['gpu_peak_used_gib']), 1)} GiB: ours async ran **x{num(summary[key + '_tokens'])}** "
+            f"TRL's trained tokens/s (x{num(summary[key])} samples/s). Mean reward over the {n} steps both ran: ours "
+            f"{_mean_sd(ours_r)} against TRL's {_mean_sd(trl_r)}{within}.")
+
+
+def equal_step_rewards(ours: dict[str, Any], trl: dict[str, Any]) -> tuple[int, list[float], list[float]]:
+    """Both sides' per-step rewards over the steps both ran: the same prompts in the same order, so a side cut
+    short is compared with the other's first steps, not with its whole run (rewards rise as a run trains)."""
+    n = min(len(ours["rewards"]), len(trl["rewards"]))
+    return n, ours["rewards"][:n], trl["rewards"][:n]
+
+
+def _mean_sd(values: list[float]) -> str:
+    return f"{num(statistics.mean(values), 3)} ± {num(statistics.stdev(values) if len(values) > 1 else 0.0, 3)}"
 
 
 def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:

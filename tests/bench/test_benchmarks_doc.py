@@ -81,9 +81,44 @@ def test_the_engine_alone_bounds_what_async_can_gain_over_sync(q7_copy):
     assert "bounded by" not in seven_b.missing_paragraph(write(shape))
     ours["alone_lora"] = {"groups": 64, "tokens": 1, "wall_s": 1.0,
                           "tokens_per_s": 1.8 * ours["sync_lora"]["completion_tokens_per_s"]}
-    assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in seven_b.missing_paragraph(write(shape))
+    missing = seven_b.missing_paragraph(write(shape))
+    assert "bounded by x1.80 on this card, and 2.0 is out of its reach." in missing
+    assert "Async trained 79.1% of it" in missing  # x1.42 over sync, the engine alone x1.8
     ours["alone_lora"]["tokens_per_s"] *= 1.5
     assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(write(shape))
+
+
+def test_a_trl_side_cut_short_is_compared_over_the_steps_both_ran(q7_copy):
+    """Rewards rise as a run trains: TRL's first two steps are set beside ours' first two, not ours' whole run."""
+    shape, write = q7_copy
+    ours = shape["ours"]["async_lora"]
+    ours["rewards"] = [0.1, 0.2, 0.9, 0.9]
+    shape["trl_lora"] = {**ours, "steps": 2, "partial": True, "rewards": [0.3, 0.3]}
+    work = write(shape)
+    assert "Mean reward over the 2 steps both ran: ours 0.150 ± 0.071 against TRL's 0.300 ± 0.000." in (
+        seven_b.seven_b_block(work))
+    assert "mean reward is below TRL's over the 2 steps both ran" in seven_b.missing_paragraph(work)
+    shape["trl_lora"]["rewards"] = [0.1, 0.15]
+    work = write(shape)
+    assert "(within the step-to-step spread)" in seven_b.seven_b_block(work)
+    assert "below TRL's" not in seven_b.missing_paragraph(work)
+
+
+def test_fp8_learning_leads_with_the_steady_steps_and_spreads_them_over_seeds():
+    """The side run first pays its learner's first compile, so the headline ratio is the steady one, and seeds
+    are summarised as mean ± sd."""
+    import statistics
+
+    from bench.report.readme import fp8_learning
+
+    results = common.ROOT / "bench" / "results"
+    docs = [json.loads(p.read_text()) for p in sorted(results.glob("gpu_workload_*_q15_fp8_s24*.json"))]
+    assert len(docs) >= 2
+    text, steady = fp8_learning(results), [d["results"]["summary"]["qwen2-1.5b/async_fp8_over_async_steady"]
+                                           for d in docs]
+    for ratio in steady:
+        assert f"over the steady steps **x{ratio:.3f}**" in text
+    assert f"steady speed-up **x{statistics.mean(steady):.3f} ± {statistics.stdev(steady):.3f}**" in text
 
 
 def test_a_figure_cites_the_machine_that_measured_it():
