@@ -99,6 +99,6 @@ def workload_ratios(r: dict[str, Any]) -> str:
 
 FORMATTERS: dict[str, tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = {
     "vs_trl": ("Against TRL", "Trained samples/s side by side in one run.", vs_trl),
-    "gpu_workload": ("GPU workload: long-tailed completions against TRL", "Trained samples/s at equal samples, "
+    "gpu_workload": ("GPU workload: long-tailed completions, side by side", "Trained samples/s at equal samples, "
                      "side by side in one run.", gpu_workload),
 }
