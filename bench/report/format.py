@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,13 @@ def num(x: float | None, digits: int = 2) -> str:
 
 def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f} ms"
+
+
+def spread(values: list[float], signed: bool = False) -> str:
+    """Mean ± sample standard deviation, three decimals (sd 0 for a single value)."""
+    mean = statistics.mean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:+.3f} ± {sd:.3f}" if signed else f"{num(mean, 3)} ± {num(sd, 3)}"
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 from bench import common
 from bench.gpu.workload_rates import TRL_LABELS, over_fastest_trl
 from bench.report.document import load_cited, repeat_of, results_of
-from bench.report.format import cite, ms, num, pct
+from bench.report.format import cite, ms, num, pct, spread
 from bench.report.gpu import compiled_kind
 from bench.report.learning import multi_seed
 from bench.report import seven_b
@@ -289,8 +289,8 @@ def fp8_learning(results_dir: Path) -> str:
     rows = []
     for seed, ours, ratios, _ in runs:
         bf16, fp8 = ours["async"], ours["async_fp8"]
-        rows.append(f"seed {seed}: mean reward {_spread(fp8['rewards'])} with FP8 rollouts against "
-                    f"{_spread(bf16['rewards'])} with bf16, trained completion tokens/s over the steady steps "
+        rows.append(f"seed {seed}: mean reward {spread(fp8['rewards'])} with FP8 rollouts against "
+                    f"{spread(bf16['rewards'])} with bf16, trained completion tokens/s over the steady steps "
                     f"**x{num(ratios['qwen2-1.5b/async_fp8_over_async_steady'], 3)}** "
                     f"({num(fp8['completion_tokens_per_s_steady'], 0)} against "
                     f"{num(bf16['completion_tokens_per_s_steady'], 0)}), x"
@@ -300,14 +300,12 @@ def fp8_learning(results_dir: Path) -> str:
     speed = [r["qwen2-1.5b/async_fp8_over_async_steady"] for _, _, r, _ in runs]
     kl = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_kl"] if v == v]
     cut = [v for _, o, _, _ in runs for v in o["async_fp8"]["mismatch_cut_frac"] if v == v]
-    over = (f"Over the {len(runs)} seeds, FP8's mean reward minus bf16's is {_spread(gaps, signed=True)} and the "
-            f"steady speed-up **x{_spread(speed)}** (mean ± sd). " if len(runs) > 1 else "")
+    over = (f"Over the {len(runs)} seeds, FP8's mean reward minus bf16's is {spread(gaps, signed=True)} and the "
+            f"steady speed-up **x{spread(speed)}** (mean ± sd). " if len(runs) > 1 else "")
     cuts = (f"at most {pct(max(cut))} of importance weights cut" if cut and max(cut) > 0
             else "no importance weight cut")
     pauses = "; ".join(f"seed {seed}: {_pause(o['async_fp8'])} into FP8 against {_pause(o['async'])} into bf16"
                        for seed, o, _, _ in runs)
-    # The bf16 side runs first in each command: its learner's first step pays what precompile_learner's warm-up
-    # left uncompiled, and the FP8 side after it finds that code compiled, so the whole-run ratio flatters FP8.
     return (f"\n\nLearning with FP8 rollouts (the countdown task at 1.5B, {len(runs[0][1]['async_fp8']['rewards'])} "
             f"async steps a side, the same warm start and prompts within a seed, mean ± step-to-step spread): "
             + "; ".join(rows) + ". The bf16 side runs first, and its learner's first step compiles code the "
@@ -331,12 +329,6 @@ def _pairing(kl: float, cut: float) -> str:
 
 def _pause(side: dict[str, Any]) -> str:
     return f"{ms(side['publication_pause_s']['mean'])} ({ms(side['publication_pause_s']['max'])})"
-
-
-def _spread(values: list[float], signed: bool = False) -> str:
-    mean = statistics.mean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:+.3f} ± {sd:.3f}" if signed else f"{num(mean, 3)} ± {num(sd, 3)}"
 
 
 def structure_block(results_dir: Path) -> str:

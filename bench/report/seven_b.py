@@ -14,7 +14,7 @@ from bench import common
 from bench.gpu.planted import param_count
 from bench.gpu.workload_rates import summarise
 from bench.report.document import load_cited, repeat_of, results_of
-from bench.report.format import cite, first_sentences, ms, num, pct, table
+from bench.report.format import cite, first_sentences, ms, num, pct, spread, table
 
 SHAPE = "qwen2.5-7b"
 GIB = 2**30
@@ -202,25 +202,21 @@ def trl_line(trl: dict[str, Any], async_side: dict[str, Any], summary: dict[str,
     key = f"{SHAPE}/async_lora_over_trl_lora" + ("_partial" if trl.get("partial") else "")
     cut = ", cut short by the command's limit" if trl.get("partial") else ""
     n, ours_r, trl_r = equal_step_rewards(async_side, trl)
-    spread = max(statistics.stdev(ours_r), statistics.stdev(trl_r)) if n > 1 else 0.0
+    widest = max(statistics.stdev(ours_r), statistics.stdev(trl_r)) if n > 1 else 0.0
     gap = abs(statistics.mean(ours_r) - statistics.mean(trl_r))
-    within = " (within the step-to-step spread)" if gap <= spread else ""
+    within = " (within the step-to-step spread)" if gap <= widest else ""
     return (f"  {who}: {trl['steps']} steps{cut}, {num(trl['completion_tokens_per_s'], 0)} trained completion "
             f"tokens/s (mean length {num(trl['completion_len_mean'], 0)}), whole-GPU peak "
             f"{num(max(trl['gpu_peak_used_gib']), 1)} GiB: ours async ran **x{num(summary[key + '_tokens'])}** "
             f"TRL's trained tokens/s (x{num(summary[key])} samples/s). Mean reward over the {n} steps both ran: ours "
-            f"{_mean_sd(ours_r)} against TRL's {_mean_sd(trl_r)}{within}.")
+            f"{spread(ours_r)} against TRL's {spread(trl_r)}{within}.")
 
 
 def equal_step_rewards(ours: dict[str, Any], trl: dict[str, Any]) -> tuple[int, list[float], list[float]]:
-    """Both sides' per-step rewards over the steps both ran: the same prompts in the same order, so a side cut
-    short is compared with the other's first steps, not with its whole run (rewards rise as a run trains)."""
+    """Both sides' per-step rewards over the steps both ran (both draw the prompts in the same order), so a side
+    cut short is compared with the other's first steps, not with its whole run (rewards rise as a run trains)."""
     n = min(len(ours["rewards"]), len(trl["rewards"]))
     return n, ours["rewards"][:n], trl["rewards"][:n]
-
-
-def _mean_sd(values: list[float]) -> str:
-    return f"{num(statistics.mean(values), 3)} ± {num(statistics.stdev(values) if len(values) > 1 else 0.0, 3)}"
 
 
 def sync_from_log(log: Path, async_side: dict[str, Any]) -> str:
