@@ -72,6 +72,7 @@ from typing import Any
 
 from bench import common
 from bench.gpu import countdown
+from bench.gpu.engine_share import TokenClock
 from bench.gpu.memory import MemoryWatch, free_gpu, watch
 from bench.gpu.workload_rates import describe, rates, summarise
 from bench.gpu.mfu import FlopCount
@@ -294,7 +295,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     counters = getattr(engine, "sleep_counters", None)
     before = (counters.sleep_s, counters.wake_s) if counters else (0.0, 0.0)
     with memory.watching(), learner_memory:
-        result = await (pipe.run_synchronous if synchronous else pipe.run)(args.steps)
+        async with TokenClock(t0) as clock:
+            result = await (pipe.run_synchronous if synchronous else pipe.run)(args.steps)
     wall = time.perf_counter() - t0
     pauses = [t.total_s for t in pipe.learner.weight_sync.history]
     out = rates(marks, per_step, tokens, wall, args.skip_steps)
@@ -309,7 +311,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                publication_pause_s={"mean": sum(pauses) / len(pauses), "max": max(pauses), "count": len(pauses)}
                if pauses else None, learner_peak_allocated_gib=learner_memory.peak_gib,
                trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-               **token_books(pipe, result))
+               engine_tokens_s=[[round(t, 2), c] for t, c in clock.samples], **token_books(pipe, result))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
     del model, pipe
