@@ -10,7 +10,8 @@
 #   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
 #   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
 #           $FULL_STEPS steps (default 24) of 4 groups, answers of mean 256: gpu_workload_<gpu>_q7_full.json
-#   fullsync  ours, sync (the engine sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8)
+#   fullsync  the engine alone at the full side's concurrency (the bound on async), then ours, sync (the engine
+#           sleeps at level 2 during each step), into the same file, $SYNC_STEPS (8) steps
 #   fp8     python -m bench.gpu.fp8 at the 7B shape: decode tokens/s FP8 / bf16 and the full-weight publication pause
 #           (from the learner's weights in host memory: on 80 GiB a learner on the GPU does not fit beside both)
 #   optim   python -m bench.gpu.optimizer at the 7B shape: adamw_bf16's step beside torch's fused AdamW
@@ -50,7 +51,7 @@ for s in $STEPS; do case $s in
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;
   full) run full 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides async --steps "${FULL_STEPS:-24}" --deadline-s "$(deadline)";;
-  fullsync) run fullsync 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides sync --steps "${SYNC_STEPS:-8}" \
+  fullsync) run fullsync 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides alone,sync --steps "${SYNC_STEPS:-8}" \
       --deadline-s "$(deadline)";;
   fp8) run fp8 240 "$PY" -m bench.gpu.fp8 --out "$KEEP" --shape qwen2.5-7b --kv-cache-gib 10 --learner-on-host \
       --also-seqs 16,64;;

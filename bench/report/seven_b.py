@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from bench.gpu.engine_share import split
 from bench.gpu.planted import param_count
 from bench.gpu.workload_rates import summarise
 from bench.report.document import load_cited, repeat_of, results_of
@@ -63,6 +64,8 @@ def seven_b_block(results_dir: Path) -> str:
             f"{pct(side['learner_mfu'])}, mean reward {num(statistics.mean(side['rewards']), 3)}, groups dropped as "
             f"stale {side['dropped'].get('stale', 0)} ({side['dropped'].get('unused_at_shutdown', 0)} left unused at "
             f"shutdown); policy planted in {num(warm['seconds'], 0)} s ({source}).")
+        if share := share_line(side, r[SHAPE]["ours"].get("alone_lora")):
+            lines.append(share)
         sync = r[SHAPE]["ours"].get("sync_lora")
         log = path.with_name(path.stem + "_run.log")
         if sync and not sync.get("partial"):
@@ -97,9 +100,8 @@ def missing_paragraph(results_dir: Path) -> str:
                        f"tokens/s at the producers' concurrency{where}: async can train no faster, so async ÷ sync "
                        f"is bounded by x{num(bound)} on this card" + (", and 2.0 is out of its reach." if bound < 2.0
                                                                      else ".") + f" Async trained "
-                       f"{pct(ours['async_lora']['completion_tokens_per_s'] / alone['tokens_per_s'])} of it: the "
-                       f"rest went to the learner's share of the GPU, the adapter's kernels (the engine alone served "
-                       f"none) and the pauses, in shares no run has split.")
+                       f"{pct(ours['async_lora']['completion_tokens_per_s'] / alone['tokens_per_s'])} of it. "
+                       + budget_sentence(ours["async_lora"], sync, alone))
     trl = first.get("trl_lora")
     if not trl or not trl.get("steps"):
         out.append("TRL's side (`bash bench/gpu/run_7b.sh 570 trl`) has given no figure yet.")
@@ -121,6 +123,45 @@ def missing_paragraph(results_dir: Path) -> str:
     if mfu and max(mfu) < 0.45:
         out.append(f"Learner MFU is at most {pct(max(mfu))}, short of the 45% goal.")
     return "What is missing: " + " ".join(out) if out else "Every goal of this section is measured."
+
+
+def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:
+    """Where an async side's engine time went: its generation rate before the learner's first step, inside the
+    learner's steps and between them (``bench.gpu.engine_share``), beside the engine alone where measured."""
+    samples = side.get("engine_tokens_s")
+    cut = split([(t, c) for t, c in samples], side["step_end_s"], side["learner_step_s"],
+                alone["tokens_per_s"] if alone else None) if samples else None
+    if cut is None:
+        return ""
+    names = {"fill": "before the learner's first step", "training": "while the learner trained",
+             "between": "between its steps"}
+    parts = [f"{what} {num(p['tokens_per_s'], 0)} tokens/s for {num(p['s'], 0)} s"
+             + (f" ({pct(p['of_alone'])} of the engine alone)" if "of_alone" in p else "")
+             for name, what in names.items() if (p := cut[name])["tokens_per_s"] is not None]
+    busy = cut["training"]["s"] / cut["span_s"]
+    return (f"  Where the engine's time went (vLLM's generated-token counter against the learner's step windows): "
+            f"{'; '.join(parts)}. The learner trained for {pct(busy)} of the run, each step taking "
+            f"{num(statistics.mean(side['learner_step_s']), 1)} s on average.")
+
+
+def budget_sentence(side: dict[str, Any], sync: dict[str, Any], alone: dict[str, Any]) -> str:
+    """Async's wall time against what its two parts would take alone on the GPU: generating its tokens at the
+    engine-alone rate, and training at sync's pace (sync's learner runs with the engine asleep or idle). The
+    rest is time lost to sharing; the token counter's split (``share_line``), where recorded, says where."""
+    gen = side["tokens_generated"] / alone["tokens_per_s"]
+    learn = sync["learner_train_s"] * side["tokens_trained"] / sync["tokens_trained"]
+    lost = side["wall_s"] - gen - learn
+    out = (f"Of async's {num(side['wall_s'], 0)} s, generating its {side['tokens_generated']:,} tokens at the "
+           f"engine-alone rate accounts for {num(gen, 0)} s, and training them at sync's pace for {num(learn, 0)} s; "
+           f"beside the engine the learner's steps took {num(side['learner_train_s'], 0)} s "
+           f"(x{num(side['learner_train_s'] / learn)}: the two processes take the GPU in turns). Taking turns with "
+           f"nothing lost, the run would last {num(gen + learn, 0)} s; the other {num(lost, 0)} s "
+           f"({pct(lost / side['wall_s'])}) were lost beyond that, to an engine below its alone rate (fewer "
+           f"sequences in flight while producers wait on the staleness bound, the adapter's kernels, which the "
+           f"engine alone did not run, switches between the processes) and to the pauses.")
+    if not side.get("engine_tokens_s"):
+        out += " This run predates the token counter (`bench.gpu.engine_share`) that splits those by phase."
+    return out
 
 
 def pause_line(results_dir: Path) -> str:
@@ -146,7 +187,7 @@ def pause_line(results_dir: Path) -> str:
 
 def full_line(results_dir: Path) -> str:
     """Full fine-tuning at 7B: what was run and where it stopped, and the optimiser's step against torch's."""
-    parts = []
+    parts, shares = [], []
     for r, source, _, args in _runs(results_dir, repeats=False):
         ours = r.get(SHAPE, {}).get("ours", {})
         if args.get("optimizer") != "adamw_bf16":
@@ -157,17 +198,43 @@ def full_line(results_dir: Path) -> str:
             parts.append(f"on an 80 GiB card it ran out of memory at its first optimiser step, as the memory "
                          f"table predicts{held} ({source})")
         elif (side := ours.get("async")) and side.get("steps"):
-            parts.append(f"async, {side['steps']} steps of {args['batch_groups'] * args['n']} samples: "
-                         f"{num(side['completion_tokens_per_s'], 0)} trained completion tokens/s, whole-GPU peak "
-                         f"{num(max(side['gpu_peak_used_gib']), 1)} GiB, learner peak "
-                         f"{num(side['learner_peak_allocated_gib'], 1)} GiB, MFU {pct(side['learner_mfu'])} ({source})")
+            parts.append(full_sides(side, ours.get("sync"), ours.get("alone"), args, source))
+            shares.append(share_line(side, ours.get("alone")))
     for o, source in _optimizer_runs(results_dir):
         compiled = (f", compiled {num(o['adamw_bf16_compiled']['step_s'], 3)} s "
                     f"({num(o['compiled_step_ratio'], 1)}x the fused step)") if "adamw_bf16_compiled" in o else ""
         parts.append(f"`adamw_bf16`'s step over the 7B shape's parameters took {num(o['adamw_bf16']['step_s'], 2)} s "
                      f"eager{compiled}, against {num(o['torch_fused_adamw']['step_s'], 3)} s for torch's fused AdamW "
                      f"(eager x{num(o['step_ratio'], 0)}; {source})")
-    return f"- Full fine-tuning (`adamw_bf16`): {'; '.join(parts)}." if parts else ""
+    if not parts:
+        return ""
+    return "\n".join([f"- Full fine-tuning (`adamw_bf16`): {'; '.join(parts)}.", *filter(None, shares)])
+
+
+def full_sides(side: dict[str, Any], sync: dict[str, Any] | None, alone: dict[str, Any] | None,
+               args: dict[str, Any], source: str) -> str:
+    """Full fine-tuning's async side, and its sync side and the engine alone where they ran."""
+    cut = " (cut short)" if side.get("partial") else ""
+    out = (f"async, {side['steps']} steps{cut} of {args['batch_groups'] * args['n']} samples (answers of mean "
+           f"{num(side['trained_len_mean'], 0)} tokens): **{num(side['completion_tokens_per_s'], 0)} trained "
+           f"completion tokens/s**, whole-GPU peak **{num(max(side['gpu_peak_used_gib']), 1)} GiB**, learner peak "
+           f"{num(side['learner_peak_allocated_gib'], 1)} GiB against the plan's "
+           f"{num(max(side['memory_predicted_gib']), 1)}, MFU {pct(side['learner_mfu'])}, publication pause "
+           f"{ms(side['publication_pause_s']['mean'])} mean, mean reward {num(statistics.mean(side['rewards']), 3)}, "
+           f"groups dropped as stale {side['dropped'].get('stale', 0)} ({source})")
+    if sync and sync.get("steps"):
+        ratio = side["completion_tokens_per_s"] / sync["completion_tokens_per_s"]
+        where = "the same machine" if sync.get("host") == side.get("host") else "another machine of the same kind"
+        out += (f". Sync on {where}, the engine asleep (level 2) during each learner step: "
+                f"{sync['steps']} steps, {num(sync['completion_tokens_per_s'], 0)} trained completion tokens/s, "
+                f"MFU {pct(sync['learner_mfu'])}, sleep and wake "
+                f"{num(sync['engine_sleep_s'] + sync['engine_wake_s'], 1)} s in all, whole-GPU peak "
+                f"{num(max(sync['gpu_peak_used_gib']), 1)} GiB: async ran **x{num(ratio)}** "
+                f"sync's trained tokens/s")
+    if alone:
+        out += (f". The engine alone at the producers' concurrency generated {num(alone['tokens_per_s'], 0)} tokens/s, "
+                f"of which async trained {pct(side['completion_tokens_per_s'] / alone['tokens_per_s'])}")
+    return out
 
 
 def _optimizer_runs(results_dir: Path) -> list[tuple[dict[str, Any], str]]:
@@ -265,8 +332,13 @@ def memory_block(results_dir: Path) -> str:
     rows = [[n, cell(a), cell(b)] for n, a, b in zip(names, lora, full)]
     lora_total = engine_measured + sum(lora[3:])
     full_total = engine_measured + sum(full[3:])
+    full_run = next(((o["async"], a) for r, _, _, a in _runs(results_dir, repeats=False)
+                     if a.get("optimizer") == "adamw_bf16" and ((o := r.get(SHAPE, {}).get("ours", {})).get("async")
+                                                                or {}).get("steps")), None)
+    full_measured = (f"measured {cell(max(full_run[0]['gpu_peak_used_gib']))}, with answers of mean "
+                     f"{num(full_run[1]['mean_answer'], 0)} tokens" if full_run else "not measured")
     rows.append(["**whole GPU** (engine process + learner)", f"**{cell(lora_total)}** (measured "
-                 f"{cell(max(side['gpu_peak_used_gib']))})", f"**{cell(full_total)}** (not measured)"])
+                 f"{cell(max(side['gpu_peak_used_gib']))})", f"**{cell(full_total)}** ({full_measured})"])
     rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total), fits(full_total)])
     note = (f"GiB, Qwen2.5-7B shape ({total / 1e9:.2f}B parameters), LoRA rank 32 "
             f"({side['trainable_params'] / 1e6:.1f}M adapter parameters). Shape arithmetic for the weights, gradients, "
