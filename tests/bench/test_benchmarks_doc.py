@@ -88,6 +88,36 @@ def test_the_engine_alone_bounds_what_async_can_gain_over_sync(q7_copy):
     assert "bounded by x2.70 on this card." in seven_b.missing_paragraph(write(shape))
 
 
+def test_async_wall_time_is_set_against_its_parts_and_split_by_the_token_counter(q7_copy):
+    """Async's wall against generation at the engine-alone rate plus training at sync's pace; where a run recorded
+    vLLM's token counter, the engine's rate in each phase beside the engine alone."""
+    shape, write = q7_copy
+    ours = shape["ours"]
+    side, sync, alone = ours["async_lora"], ours["sync_lora"], ours["alone_lora"]
+    missing = seven_b.missing_paragraph(write(shape))
+    gen = side["tokens_generated"] / alone["tokens_per_s"]
+    learn = sync["learner_train_s"] * side["tokens_trained"] / sync["tokens_trained"]
+    assert f"accounts for {gen:.0f} s, and training them at sync's pace for {learn:.0f} s" in missing
+    assert f"the other {side['wall_s'] - gen - learn:.0f} s" in missing and "predates the token counter" in missing
+    assert "Where the engine's time went" not in seven_b.seven_b_block(write(shape))
+    # The engine at the alone rate before the first step, at half of it inside the steps, at a tenth between.
+    rate, ends, steps = alone["tokens_per_s"], side["step_end_s"], side["learner_step_s"]
+    edges = sorted({0.0, *(e - s for e, s in zip(ends, steps)), *ends})
+    counter, samples, t_prev = 0.0, [], 0.0
+    for t in edges:
+        inside = any(e - s < t <= e for e, s in zip(ends, steps))
+        before = t <= ends[0] - steps[0]
+        counter += (t - t_prev) * rate * (1.0 if before else 0.5 if inside else 0.1)
+        samples.append([t, counter])
+        t_prev = t
+    side["engine_tokens_s"] = samples
+    block = seven_b.seven_b_block(write(shape))
+    assert "before the learner's first step 4,681 tokens/s for 32 s (100.0% of the engine alone)" in block
+    assert "while the learner trained 2,341 tokens/s for 104 s (50.0% of the engine alone)" in block
+    assert "(10.0% of the engine alone)" in block
+    assert "predates" not in seven_b.missing_paragraph(write(shape))
+
+
 def test_a_trl_side_cut_short_is_compared_over_the_steps_both_ran(q7_copy):
     """Rewards rise as a run trains: TRL's first two steps are set beside ours' first two, not ours' whole run."""
     shape, write = q7_copy
