@@ -277,6 +277,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     marks, tokens, rewards = [], [], []
     series: dict[str, list[float]] = {k: [] for k in PER_STEP}
     t0 = time.perf_counter()
+    clock = TokenClock(t0)
 
     def hook(step: int, m: dict[str, float]) -> None:
         marks.append(time.perf_counter() - t0)
@@ -287,7 +288,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
         print(f"step {step} ends at {marks[-1]:.1f}s", flush=True)  # a run cut short still shows its pace
         if progress is not None:
             progress({**rates(marks, per_step, tokens, marks[-1], args.skip_steps), "partial": True,
-                      "mode": "sync" if synchronous else "async", "rewards": rewards, **series})
+                      "mode": "sync" if synchronous else "async", "rewards": rewards, **series,
+                      "engine_tokens_s": samples_of(clock)})
 
     pipe.learner.hooks.append(hook)
     flops = FlopCount(model, lora=lora is not None)
@@ -295,7 +297,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     counters = getattr(engine, "sleep_counters", None)
     before = (counters.sleep_s, counters.wake_s) if counters else (0.0, 0.0)
     with memory.watching(), learner_memory:
-        async with TokenClock(t0) as clock:
+        async with clock:
             result = await (pipe.run_synchronous if synchronous else pipe.run)(args.steps)
     wall = time.perf_counter() - t0
     pauses = [t.total_s for t in pipe.learner.weight_sync.history]
@@ -311,12 +313,17 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                publication_pause_s={"mean": sum(pauses) / len(pauses), "max": max(pauses), "count": len(pauses)}
                if pauses else None, learner_peak_allocated_gib=learner_memory.peak_gib,
                trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-               engine_tokens_s=[[round(t, 2), c] for t, c in clock.samples], **token_books(pipe, result))
+               engine_tokens_s=samples_of(clock), **token_books(pipe, result))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
     del model, pipe
     free_gpu()
     return out
+
+
+def samples_of(clock: TokenClock) -> list[list[float]]:
+    """The token counter's samples as the result file keeps them."""
+    return [[round(t, 2), c] for t, c in clock.samples]
 
 
 # Per-step series a side records, from the learner's metrics: the mismatch at equal versions (precision, not
