@@ -86,7 +86,9 @@ def _learner_options(x: dict[str, Any]) -> str:
     options = next((ours[m]["learner_options"] for m in ("async", "sync", "async_fp8", "async_lora", "sync_lora")
                     if "learner_options" in ours.get(m, {})), None)
     if not options:
-        return "not recorded" if ours.get("error") else "padded rows, 8-rollout micro-batches"
+        # A side that failed or was cut short writes no options either.
+        cut = any(k.startswith("error") or (isinstance(v, dict) and v.get("partial")) for k, v in ours.items())
+        return "not recorded" if cut else "padded rows, 8-rollout micro-batches"
     return ", ".join(f"{k}={v}" for k, v in options.items())
 
 

@@ -101,7 +101,7 @@ def missing_paragraph(results_dir: Path) -> str:
                        f"is bounded by x{num(bound)} on this card" + (", and 2.0 is out of its reach." if bound < 2.0
                                                                      else ".") + f" Async trained "
                        f"{pct(ours['async_lora']['completion_tokens_per_s'] / alone['tokens_per_s'])} of it. "
-                       + budget_sentence(ours["async_lora"], sync, alone))
+                       + again_alone(results_dir, alone, sync) + budget_sentence(ours["async_lora"], sync, alone))
     trl = first.get("trl_lora")
     if not trl or not trl.get("steps"):
         out.append("TRL's side (`bash bench/gpu/run_7b.sh 570 trl`) has given no figure yet.")
@@ -142,6 +142,16 @@ def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:
     return (f"  Where the engine's time went (vLLM's generated-token counter against the learner's step windows): "
             f"{'; '.join(parts)}. The learner trained for {pct(busy)} of the run, each step taking "
             f"{num(statistics.mean(side['learner_step_s']), 1)} s on average.")
+
+
+def again_alone(results_dir: Path, alone: dict[str, Any], sync: dict[str, Any]) -> str:
+    """The engine alone measured again in other 7B files (other machines of the kind): the bound's spread."""
+    again = [(o["alone_lora"], source) for r, source, _, _ in _runs(results_dir, repeats=False)
+             if (o := r.get(SHAPE, {}).get("ours", {})).get("alone_lora")
+             and o["alone_lora"].get("host") != alone.get("host")]
+    return "".join(f"Measured again on another machine, the engine alone generated {num(a['tokens_per_s'], 0)} "
+                   f"tokens/s, a bound of x{num(a['tokens_per_s'] / sync['completion_tokens_per_s'])} ({source}). "
+                   for a, source in again)
 
 
 def budget_sentence(side: dict[str, Any], sync: dict[str, Any], alone: dict[str, Any]) -> str:
