@@ -46,8 +46,9 @@ Per run: ``samples_per_s`` (trained samples over the training wall time; start-u
 the steps after the first ``--skip-steps`` (``samples_per_s_steady``: the pipeline's fill left out),
 ``completion_tokens_per_s`` (tokens of the trained completions), mean completion length, peak GPU memory in use
 on each device (sampled by this process: everything on the device, all processes), the learner's model FLOPs
-utilisation (``bench.gpu.mfu``), and per step the memory plan's prediction beside the measured peak
-(``--memory-budget-gib``). Results are written after
+utilisation (``bench.gpu.mfu``), per step the memory plan's prediction beside the measured peak
+(``--memory-budget-gib``), and vLLM's generated-token counter sampled through the run (``engine_tokens_s``:
+``bench.gpu.engine_share`` splits it by the learner's steps). Results are written after
 every side, so a run cut short by its time limit keeps what it measured; ``--deadline-s`` skips sides that would
 not fit (recorded as skipped).
 
