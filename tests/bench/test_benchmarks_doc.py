@@ -118,6 +118,25 @@ def test_async_wall_time_is_set_against_its_parts_and_split_by_the_token_counter
     assert "predates" not in seven_b.missing_paragraph(write(shape))
 
 
+def test_full_fine_tuning_sets_async_beside_sync_and_the_engine_alone(q7_copy):
+    """A full fine-tuning file (``run_7b.sh full``, then ``fullsync``) reads as async's rate, peak and MFU, sync's
+    beside it, the engine alone, and fills the memory table's measured cell for full fine-tuning."""
+    shape, write = q7_copy
+    work = write(shape)
+    doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
+    ours = doc["results"]["qwen2.5-7b"]["ours"]
+    full = {"async": dict(ours["async_lora"]), "sync": dict(ours["sync_lora"]), "alone": ours["alone_lora"]}
+    full["async"]["gpu_peak_used_gib"] = [118.25]
+    doc["results"] = {"qwen2.5-7b": {"warm_start": doc["results"]["qwen2.5-7b"]["warm_start"], "ours": full}}
+    doc["parameters"].update(optimizer="adamw_bf16", batch_groups=4, mean_answer=256.0)
+    (work / "gpu_workload_h200_q7_full.json").write_text(json.dumps(doc))
+    line = seven_b.full_line(work)
+    assert "async, 8 steps of 32 samples" in line and "whole-GPU peak **118.2 GiB**" in line
+    assert "async ran **x1.42** sync's trained tokens/s" in line and "of which async trained 44.5%" in line
+    assert "| **115.1** (measured 118.2, with answers of mean 256 tokens) |" in seven_b.memory_block(work)
+    assert "Full fine-tuning has not run its 24 steps" in seven_b.missing_paragraph(work), "8 steps are not 24"
+
+
 def test_a_trl_side_cut_short_is_compared_over_the_steps_both_ran(q7_copy):
     """Rewards rise as a run trains: TRL's first two steps are set beside ours' first two, not ours' whole run."""
     shape, write = q7_copy
