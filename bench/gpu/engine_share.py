@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from collections.abc import Sequence
 from typing import Any
 
 COUNTER = "vllm:generation_tokens"
@@ -60,7 +61,11 @@ class TokenClock:
         self._sample()
 
 
-def tokens_at(samples: list[tuple[float, float]], t: float) -> float:
+# (seconds, tokens) pairs: tuples as sampled, lists as a result file keeps them.
+Samples = Sequence[Sequence[float]]
+
+
+def tokens_at(samples: Samples, t: float) -> float:
     """The counter at ``t``, linear between samples (flat outside them)."""
     times = [s[0] for s in samples]
     i = bisect.bisect_left(times, t)
@@ -72,7 +77,7 @@ def tokens_at(samples: list[tuple[float, float]], t: float) -> float:
     return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
 
 
-def split(samples: list[tuple[float, float]], step_ends: list[float], step_s: list[float],
+def split(samples: Samples, step_ends: list[float], step_s: list[float],
           alone_tokens_per_s: float | None = None) -> dict[str, Any] | None:
     """The engine's tokens and seconds in three phases: ``fill`` (before the learner's first step began),
     ``training`` (inside a learner step: ``[end - step_s, end]``) and ``between`` (after the first step began,

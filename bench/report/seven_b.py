@@ -33,6 +33,12 @@ def _runs(results_dir: Path, repeats: bool = True) -> list[tuple[dict[str, Any],
     return out
 
 
+def _full_runs(results_dir: Path) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """The 7B full fine-tuning files (``adamw_bf16``): our sides, source and parameters."""
+    return [(r.get(SHAPE, {}).get("ours", {}), source, args) for r, source, _, args in _runs(results_dir, repeats=False)
+            if args.get("optimizer") == "adamw_bf16"]
+
+
 def logged_steps(log: Path) -> list[list[float]]:
     """Step end times (seconds) per side, in the order a run log printed them (``step N ends at Xs``): the pace
     of a side the command's limit cut short before it wrote its figures."""
@@ -112,8 +118,7 @@ def missing_paragraph(results_dir: Path) -> str:
         n, ours_r, trl_r = equal_step_rewards(ours["async_lora"], trl)
         if statistics.mean(trl_r) > statistics.mean(ours_r):
             out.append(f"Ours async's mean reward is below TRL's over the {n} steps both ran.")
-    full = [(r[SHAPE]["ours"].get("async") or {}).get("steps", 0) for r, _, _, a in _runs(results_dir, repeats=False)
-            if a.get("optimizer") == "adamw_bf16" and SHAPE in r]
+    full = [(ours.get("async") or {}).get("steps", 0) for ours, _, _ in _full_runs(results_dir)]
     if max(full, default=0) < 24:
         out.append("Full fine-tuning has not run its 24 steps on an H200 (`run_7b.sh 570 full`, then `fullsync`).")
     if not any("adamw_bf16_compiled" in o for o, _ in _optimizer_runs(results_dir)):
@@ -129,7 +134,7 @@ def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:
     """Where an async side's engine time went: its generation rate before the learner's first step, inside the
     learner's steps and between them (``bench.gpu.engine_share``), beside the engine alone where measured."""
     samples = side.get("engine_tokens_s")
-    cut = split([(t, c) for t, c in samples], side["step_end_s"], side["learner_step_s"],
+    cut = split(samples, side["step_end_s"], side["learner_step_s"],
                 alone["tokens_per_s"] if alone else None) if samples else None
     if cut is None:
         return ""
@@ -198,10 +203,7 @@ def pause_line(results_dir: Path) -> str:
 def full_line(results_dir: Path) -> str:
     """Full fine-tuning at 7B: what was run and where it stopped, and the optimiser's step against torch's."""
     parts, shares = [], []
-    for r, source, _, args in _runs(results_dir, repeats=False):
-        ours = r.get(SHAPE, {}).get("ours", {})
-        if args.get("optimizer") != "adamw_bf16":
-            continue
+    for ours, source, args in _full_runs(results_dir):
         if ours.get("error"):
             used = re.findall(r"has ([\d.]+) GiB memory in use", ours["error"])
             held = f": the learner held {used[0]} GiB, the engine {used[1]} GiB" if len(used) == 2 else ""
@@ -342,11 +344,13 @@ def memory_block(results_dir: Path) -> str:
     rows = [[n, cell(a), cell(b)] for n, a, b in zip(names, lora, full)]
     lora_total = engine_measured + sum(lora[3:])
     full_total = engine_measured + sum(full[3:])
-    full_run = next(((o["async"], a) for r, _, _, a in _runs(results_dir, repeats=False)
-                     if a.get("optimizer") == "adamw_bf16" and ((o := r.get(SHAPE, {}).get("ours", {})).get("async")
-                                                                or {}).get("steps")), None)
-    full_measured = (f"measured {cell(max(full_run[0]['gpu_peak_used_gib']))}, with answers of mean "
-                     f"{num(full_run[1]['mean_answer'], 0)} tokens" if full_run else "not measured")
+    full_run = next(((o["async"], a) for o, _, a in _full_runs(results_dir) if (o.get("async") or {}).get("steps")),
+                    None)
+    full_measured = "not measured"
+    if full_run:
+        full_side, full_args = full_run
+        full_measured = (f"measured {cell(max(full_side['gpu_peak_used_gib']))}, with answers of mean "
+                         f"{num(full_args['mean_answer'], 0)} tokens")
     rows.append(["**whole GPU** (engine process + learner)", f"**{cell(lora_total)}** (measured "
                  f"{cell(max(side['gpu_peak_used_gib']))})", f"**{cell(full_total)}** ({full_measured})"])
     rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total), fits(full_total)])
