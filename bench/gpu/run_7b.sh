@@ -40,10 +40,11 @@ TRL_SHARE=$("$PY" -c "import torch; print(round((14.2 + 10 + 4) * 2**30 / torch.
 W7=(-m bench.gpu.workload --out "$KEEP" --shapes qwen2.5-7b --max-answer 4096 --mean-answer 512 --max-tokens 4100
     --kv-cache-gib 10 --micro-batch-tokens 32768 --memory-budget-gib 50 --no-engine-compile --resume
     --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
-# Full fine-tuning: 57 GiB of weights, gradients and bf16 AdamW states alone, so the learner's budget is 80 GiB
-# (engine 28 + learner 80 + the 14.2 GiB publication snapshot fit a 141 GiB H200). 24 steps of 8 groups of
+# Full fine-tuning: 57 GiB of weights, gradients and bf16 AdamW states alone, so the learner's budget is 76 GiB
+# (engine 28 + its 14.2 GiB of shadow weights + learner 76 + the 14.2 GiB publication snapshot: 132.4 GiB, inside
+# the 134 GiB a 141 GiB H200 leaves usable). 24 steps of 8 groups of
 # ~950-token answers would take an estimated ~23 s each at 7B, past one command; 4 groups of mean-256 answers fit.
-FULL=(--tag q7_full --learner-dtype bfloat16 --optimizer adamw_bf16 --memory-budget-gib 80 --batch-groups 4
+FULL=(--tag q7_full --learner-dtype bfloat16 --optimizer adamw_bf16 --memory-budget-gib 76 --batch-groups 4
       --mean-answer 256)
 deadline() { echo $(( $(left) - 25 )); }
 for s in $STEPS; do case $s in

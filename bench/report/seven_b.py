@@ -328,8 +328,10 @@ def memory_block(results_dir: Path) -> str:
     kv = args["kv_cache_gib"]
     engine_measured = max(side["gpu_peak_used_gib"]) - side["learner_peak_allocated_gib"]
     activations = max(side["memory_peak_gib"]) - weights - 4 * adapter
-    lora = [engine_measured, weights, kv, weights + adapter, adapter, 2 * adapter, 0.0, activations]
-    full = [engine_measured, weights, kv, weights, weights, 2 * weights, weights, activations]
+    # Index 3 on are added to the engine's measured bytes: the shadows are the engine's, but only full fine-tuning
+    # (the cuda_ipc transport) allocates them, so the LoRA run's measure holds none.
+    lora = [engine_measured, weights, kv, 0.0, weights + adapter, adapter, 2 * adapter, 0.0, activations]
+    full = [engine_measured, weights, kv, weights, weights, weights, 2 * weights, weights, activations]
 
     def cell(x: float) -> str:
         return num(x, 1)
@@ -337,6 +339,8 @@ def memory_block(results_dir: Path) -> str:
     names = ["engine in all, measured: the whole GPU's peak less the learner's allocated peak (weights, KV "
              "cache, CUDA graphs, LoRA slots, CUDA contexts)", "of which weights (bf16)",
              "of which KV cache (as configured)",
+             "engine's shadow weights (full: each publication is staged into them while the engine generates; "
+             "LoRA: none)",
              "learner weights (bf16; LoRA: + float32 adapter)", "gradients (LoRA: the adapter's, float32)",
              "optimiser state (AdamW: two; full: bf16 `adamw_bf16`)",
              "publication snapshot (full: the CUDA IPC buffer; LoRA: in host memory)",
@@ -356,7 +360,7 @@ def memory_block(results_dir: Path) -> str:
     rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total), fits(full_total)])
     note = (f"GiB, Qwen2.5-7B shape ({total / 1e9:.2f}B parameters), LoRA rank 32 "
             f"({side['trainable_params'] / 1e6:.1f}M adapter parameters). Shape arithmetic for the weights, gradients, "
-            f"states and snapshot; the engine process and the activation peak are what the LoRA run measured "
+            f"states, shadows and snapshot; the engine process and the activation peak are what the LoRA run measured "
             f"(the full column reuses them: its engine and micro-batches are the same). Source: {source}.")
     return "\n".join([*table(["part", "LoRA, async", "full fine-tuning, async"], rows), "", note])
 
