@@ -7,8 +7,9 @@
 #   lorasync  ours, sync, the same, into the same file (async and sync together outlast one command at 7B)
 #   alone   the LoRA-serving engine by itself at the producers' concurrency, into the same file: the most tokens/s
 #           async could train, which bounds async / sync
-#   share   the engine alone, then ours async with LoRA, $SHARE_STEPS (6) steps, into gpu_workload_<gpu>_q7_share.json:
-#           where async's engine time goes (bench.gpu.engine_share: the token counter against the learner's steps)
+#   share   the engine alone serving an adapter of zeros, then ours async with LoRA, $SHARE_STEPS (6) steps, into
+#           gpu_workload_<gpu>_q7_share_adapter.json: where async's engine time goes (bench.gpu.engine_share: the
+#           token counter and the running-request gauge against the learner's steps)
 #   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
 #   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
 #           $FULL_STEPS steps (default 24) of 4 groups, answers of mean 256: gpu_workload_<gpu>_q7_full.json
@@ -51,7 +52,7 @@ for s in $STEPS; do case $s in
   lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora --tag q7 --deadline-s "$(deadline)";;
   lorasync) run lorasync 300 "$PY" "${W7[@]}" --sides sync_lora --tag q7 --deadline-s "$(deadline)";;
   alone) run alone 240 "$PY" "${W7[@]}" --sides alone_lora --tag q7 --deadline-s "$(deadline)";;
-  share) run share 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_share --steps "${SHARE_STEPS:-6}" \
+  share) run share 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_share_adapter --steps "${SHARE_STEPS:-6}" \
       --deadline-s "$(deadline)";;
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;

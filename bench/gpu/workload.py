@@ -323,8 +323,8 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
 
 
 def samples_of(clock: TokenClock) -> list[list[float]]:
-    """The token counter's samples as the result file keeps them."""
-    return [[round(t, 2), c] for t, c in clock.samples]
+    """The clock's samples (seconds, tokens, requests running) as the result file keeps them."""
+    return [[round(t, 2), c, r] for t, c, r in clock.samples]
 
 
 # Per-step series a side records, from the learner's metrics: the mismatch at equal versions (precision, not
@@ -348,10 +348,17 @@ def token_books(pipe: Any, result: Any) -> dict[str, Any]:
             "admission": pipe.config.queue.admission, "correction": pipe.learner.loss.cfg.correction.value}
 
 
-async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]) -> dict[str, Any]:
-    """The engine by itself: the same groups at the producers' concurrency, nothing else running."""
+async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any],
+                       adapter: Any = None) -> dict[str, Any]:
+    """The engine by itself: the same groups at the producers' concurrency, nothing else running. ``adapter`` (an
+    ``AdapterWeights``) is published first, so a LoRA engine's bound pays the adapter's kernels as async does."""
     import asyncrl
+    from asyncrl.actors.weight_sync import WeightSync
+    from asyncrl.config import SyncConfig
+    from asyncrl.versions import VersionClock
 
+    if adapter is not None:
+        await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(adapter)
     params = asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens)
     gate = asyncio.Semaphore(args.batch_groups * args.inflight_batches)
     groups = prompts[: args.steps * args.batch_groups]
@@ -361,10 +368,27 @@ async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]
             return sum(len(s.token_ids) for s in await engine.generate(p.token_ids, params, f"alone-{i}"))
 
     t0 = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(groups))))
+    async with TokenClock(t0) as clock:
+        tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(groups))))
     wall = time.perf_counter() - t0
     return {"groups": len(groups), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "host": common.host_id()}
+            "adapter": adapter is not None, "engine_tokens_s": samples_of(clock), "host": common.host_id()}
+
+
+def zero_adapter(model_dir: Path, lora: Any) -> Any:
+    """An adapter of zeros shaped per ``lora`` for the checkpoint in ``model_dir`` (built on the meta device, no
+    weights read): the adapter's kernels at their full cost, the base model's outputs. PEFT starts ``B`` at zero,
+    so it is also the policy the learner starts from."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.engines.updates import AdapterWeights
+    from asyncrl.lora.model import adapter_config, adapter_state, apply_lora
+
+    with torch.device("meta"):
+        model = apply_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)), lora)
+    tensors = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in adapter_state(model).items()}
+    return AdapterWeights(tensors, adapter_config(model))
 
 
 async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: dict[str, Any], variant: str) -> None:
@@ -412,7 +436,8 @@ async def ours(args: argparse.Namespace, model_dir: Path, report: Report, out: d
                 continue
             memory = watch(args)
             if side == "alone":
-                out[key] = await engine_alone(args, engine, prompts)
+                out[key] = await engine_alone(args, engine, prompts,
+                                              zero_adapter(model_dir, lora) if lora is not None else None)
                 await engine.llm.reset_prefix_cache()  # the runs after it start without its prompts cached
             else:
                 def progress(partial: dict[str, Any], key: str = key) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.gpu.engine_share import split
+from bench.gpu.engine_share import running_mean, split
 from bench.gpu.planted import param_count
 from bench.gpu.workload_rates import summarise
 from bench.report.document import load_cited, repeat_of, results_of
@@ -142,11 +142,18 @@ def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:
              "between": "between its steps"}
     parts = [f"{what} {num(p['tokens_per_s'], 0)} tokens/s for {num(p['s'], 0)} s"
              + (f" ({pct(p['of_alone'])} of the engine alone)" if "of_alone" in p else "")
+             + (f", {num(p['running'], 0)} requests running" if "running" in p else "")
              for name, what in names.items() if (p := cut[name])["tokens_per_s"] is not None]
     busy = cut["training"]["s"] / cut["span_s"]
+    alone_samples = (alone or {}).get("engine_tokens_s") or []
+    alone_running = running_mean(alone_samples, [(alone_samples[0][0], alone_samples[-1][0] + 1)]) \
+        if alone_samples else None
+    against = (f" The engine alone ran {num(alone_running, 0)} requests on average"
+               + (", serving an adapter of zeros" if alone.get("adapter") else ", without an adapter") + "."
+               if alone_running is not None else "")
     return (f"  Where the engine's time went (vLLM's generated-token counter against the learner's step windows): "
             f"{'; '.join(parts)}. The learner trained for {pct(busy)} of the run, each step taking "
-            f"{num(statistics.mean(side['learner_step_s']), 1)} s on average.")
+            f"{num(statistics.mean(side['learner_step_s']), 1)} s on average.{against}")
 
 
 def again_alone(results_dir: Path, alone: dict[str, Any], sync: dict[str, Any]) -> str:
@@ -154,9 +161,10 @@ def again_alone(results_dir: Path, alone: dict[str, Any], sync: dict[str, Any]) 
     again = [(o["alone_lora"], source) for r, source, _, _ in _runs(results_dir, repeats=False)
              if (o := r.get(SHAPE, {}).get("ours", {})).get("alone_lora")
              and o["alone_lora"].get("host") != alone.get("host")]
-    return "".join(f"Measured again on another machine, the engine alone generated {num(a['tokens_per_s'], 0)} "
-                   f"tokens/s, a bound of x{num(a['tokens_per_s'] / sync['completion_tokens_per_s'])} ({source}). "
-                   for a, source in again)
+    return "".join(f"Measured again on another machine, the engine alone"
+                   f"{', serving an adapter of zeros,' if a.get('adapter') else ''} generated "
+                   f"{num(a['tokens_per_s'], 0)} tokens/s, a bound of "
+                   f"x{num(a['tokens_per_s'] / sync['completion_tokens_per_s'])} ({source}). " for a, source in again)
 
 
 def budget_sentence(side: dict[str, Any], sync: dict[str, Any], alone: dict[str, Any]) -> str:

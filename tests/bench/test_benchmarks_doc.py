@@ -115,6 +115,16 @@ def test_async_wall_time_is_set_against_its_parts_and_split_by_the_token_counter
     assert "before the learner's first step 4,681 tokens/s for 32 s (100.0% of the engine alone)" in block
     assert "while the learner trained 2,341 tokens/s for 104 s (50.0% of the engine alone)" in block
     assert "(10.0% of the engine alone)" in block
+    assert "requests running" not in block and "The engine alone ran" not in block, "pairs hold no gauge"
+    # With the running-request gauge: as many requests as the engine alone while training (contention), a
+    # sixth of them between the steps (concurrency).
+    for s in samples:
+        s.append(96.0 if any(e - st <= s[0] < e for e, st in zip(ends, steps)) else 16.0)
+    alone.update(engine_tokens_s=[[0.0, 0.0, 96.0], [1.0, rate, 96.0], [2.0, 2 * rate, 96.0]], adapter=True)
+    block = seven_b.seven_b_block(write(shape))
+    assert "(50.0% of the engine alone), 96 requests running" in block
+    assert "(10.0% of the engine alone), 16 requests running" in block
+    assert "The engine alone ran 96 requests on average, serving an adapter of zeros." in block
     assert "predates" not in seven_b.missing_paragraph(write(shape))
 
 

@@ -145,3 +145,27 @@ async def test_the_base_sampler_samples_the_frozen_base_beside_the_adapter(lora_
     assert all(s.newest_version == lora_engine.version for s in from_adapter)
     with pytest.raises(ConfigError, match="serves no adapters"):
         vllm_engine.base_sampler()
+
+
+@MODULE_LOOP
+async def test_the_engine_alone_bound_pays_for_an_adapter_that_changes_nothing(lora_engine, tiny_model_dir,
+                                                                              tokenizer):
+    """``bench.gpu.workload``'s engine-alone side on a LoRA engine serves an adapter of zeros, so its bound runs the
+    adapter's kernels as async does: published from shapes alone, it samples exactly what the base model gives."""
+    import argparse
+    import types
+
+    from bench.gpu.workload import engine_alone, zero_adapter
+
+    adapter = zero_adapter(tiny_model_dir, LoraConfig(rank=4, alpha=8))
+    assert all(not t.any() for t in adapter.tensors.values()) and adapter.config.rank == 4
+    before = lora_engine.version
+    prompt = _prompt(tokenizer)
+    args = argparse.Namespace(n=2, max_tokens=6, batch_groups=2, inflight_batches=1, steps=1)
+    alone = await engine_alone(args, lora_engine, [types.SimpleNamespace(token_ids=prompt)] * 2, adapter)
+    assert lora_engine.version == before + 1, "the adapter was published first"
+    assert alone["adapter"] and alone["groups"] == 2 and alone["tokens"] > 0
+    assert all(len(s) == 3 for s in alone["engine_tokens_s"]), "tokens and requests running, sampled"
+    served = await lora_engine.generate(prompt, SamplingConfig(n=4, max_tokens=6), request_id="zero-adapter")
+    assert all(s.newest_version == lora_engine.version for s in served)
+    assert max(sample_gaps(load_hf_model(tiny_model_dir), prompt, served)) < TOL, "zeros: the base's outputs"
