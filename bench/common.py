@@ -261,14 +261,15 @@ class LearnerMemory:
             self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
 
 
-def load_learner(model_dir: Path, dtype: str | None = None) -> Any:
-    """The training copy of a model: float32 on CPU, bfloat16 on GPU unless ``dtype`` says otherwise."""
+def load_learner(model_dir: Path, dtype: str | None = None, device: Any = None) -> Any:
+    """The training copy of a model: float32 on CPU, bfloat16 on GPU unless ``dtype`` says otherwise; on the
+    learner's device unless ``device`` says otherwise."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or ("bfloat16" if on_gpu() else "float32")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    return model.to(learner_device())
+    return model.to(device or learner_device())
 
 
 # ---------------------------------------------------------------------------------------------- models

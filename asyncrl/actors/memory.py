@@ -36,6 +36,7 @@ from asyncrl.algorithms.head import CHUNK_ELEMENTS, decoder_and_head
 from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import pack, round_up
 from asyncrl.config import LearnerConfig
+from asyncrl.engines.protocols import LentParameter
 from asyncrl.errors import ConfigError, MemoryBudgetError
 from asyncrl.types import RolloutGroup
 
@@ -300,7 +301,8 @@ def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shap
     this rank's shard; their gradients accumulate unsharded, and FSDP gathers two blocks and the root whole."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trainable = [p for p in model.parameters() if p.requires_grad and id(p) in held]
-    weights = sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()])
+    # A lent base's memory is the engine's (``asyncrl.lora.share_base``): not the learner's to plan.
+    weights = sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()] if not isinstance(t, LentParameter))
     per_param = 1 + (_optimizer_states(optimizer) if states is None else states)  # a gradient + the states
     static = weights + per_param * sum(_local_bytes(p) for p in trainable)
     if any(_local_bytes(p) != _bytes(p) for p in model.parameters()):  # sharded

@@ -5,6 +5,7 @@
   through its one ``transports.WeightTransport``); and, optionally, sleep while a colocated learner trains (the
   defaults never sleep) and score a sequence for the publication probe (the default cannot).
 - ``Lifecycle`` (the pipeline): is it alive, wait for its death, close it.
+- ``BaseLender`` (a LoRA learner beside the engine): the served weights, for the learner's frozen base.
 
 Optional behaviour is a documented no-op default on the role, never probed: an implementation subclasses the
 role (``class FakeEngine(Engine)``) to inherit the defaults, and callers just call.
@@ -23,13 +24,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.errors import ConfigError, EngineError, PromptRejected, WeightUpdateError
 from asyncrl.types import PauseMode, Sample
 
-__all__ = ["BehaviourPrecision", "Engine", "EngineError", "Lifecycle", "PromptRejected", "Sampler",
-           "StagedInEngine", "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
+__all__ = ["BaseLender", "BehaviourPrecision", "Engine", "EngineError", "LentBase", "LentParameter", "Lifecycle",
+           "PromptRejected", "Sampler", "StagedInEngine", "WeightTarget", "WeightUpdate", "WeightUpdateError",
+           "request_seed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +204,33 @@ class Lifecycle(Protocol):
 
     async def close(self) -> None:
         """Shut down and release processes and staged files. Idempotent."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LentBase:
+    """An engine's weights mapped into this process, read-only by contract, valid while that engine runs: what
+    a LoRA learner holds as its frozen base instead of a copy (``asyncrl.lora.share_base``)."""
+
+    engine: str
+    tensors: Mapping[str, torch.Tensor]  # the engine's own names (``...qkv_proj.weight``), tied weights once
+    packed: Mapping[str, tuple[str, ...]]  # fused module -> the checkpoint modules it stacks by rows, in order
+
+
+class LentParameter(torch.nn.Parameter):
+    """A policy's frozen parameter over a ``LentBase`` tensor: its memory is the engine's, so the learner's memory
+    plan leaves it out (``actors.memory``)."""
+
+
+class BaseLender(Protocol):
+    """An engine that lends its served weights to a LoRA learner on the same device (``VLLMEngine`` on CUDA,
+    serving adapters), so that the frozen base is held once."""
+
+    name: str
+
+    async def lend_base(self) -> LentBase:
+        """The weights this engine serves, mapped into this process. ``ConfigError`` names what keeps them from
+        being lent (a CPU engine, a full-weight engine, quantization, more than one worker)."""
         ...
 
 

@@ -30,10 +30,11 @@ Layout ``1gpu`` (everything colocated on GPU 0):
   ``loss/mismatch_cut_frac``) is recorded beside the staleness;
 - ``async_lora`` / ``sync_lora`` (only when named): ``async`` and ``sync`` on an engine serving adapters, the learner
   training a LoRA adapter (``--lora-rank``, ``--lora-alpha``, ``--lora-lr``) on its frozen base
-  (``--lora-base-dtype``), published alone; the engine never sleeps;
-- ``alone_lora`` (only when named): that engine by itself at the producers' concurrency, no adapter and no
-  learner: the most tokens/s any side on it can generate, so its ratio to ``sync_lora``'s trained tokens/s bounds
-  what ``async_lora`` can gain (``generation_limit_ratio_lora``: async's generation over it);
+  (``--lora-base-dtype``; with ``--share-base``, the engine's own weights, mapped: ``asyncrl.lora.share_base``),
+  published alone; the engine never sleeps;
+- ``alone_lora`` (only when named): that engine by itself at the producers' concurrency, serving an adapter of
+  zeros, no learner: the most tokens/s any side on it can generate, so its ratio to ``sync_lora``'s trained
+  tokens/s bounds what ``async_lora`` can gain (``generation_limit_ratio_lora``: async's generation over it);
 - ``trl`` / ``trl_sleep``: TRL's ``GRPOTrainer`` with ``vllm_mode="colocate"``, without and with
   ``vllm_enable_sleep_mode`` (``bench.peers.trl_side``); ``trl_lora`` (only when named): the same with PEFT LoRA of
   our adapter's rank, alpha, targets and learning rate on a bf16 base.
@@ -144,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=int, default=64)
     p.add_argument("--lora-lr", type=float, default=2e-5, help="the adapter's learning rate (LoRA sides)")
     p.add_argument("--lora-base-dtype", default="bfloat16", help="the frozen base's dtype on the LoRA sides")
+    p.add_argument("--share-base", action="store_true",
+                   help="LoRA sides: the learner maps the engine's weights as its frozen base "
+                        "(asyncrl.lora.share_base) instead of holding its own copy")
     add_task_args(p)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: prove the code paths run")
     args = p.parse_args(argv)
@@ -261,11 +265,16 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
     from asyncrl.groups import RewardGroups
     from asyncrl.recipes import grpo_pipeline
 
-    model = common.load_learner(model_dir, dtype=args.learner_dtype if lora is None else args.lora_base_dtype)
+    shared = lora is not None and args.share_base  # the base stays on the host until mapped onto the engine's
+    model = common.load_learner(model_dir, dtype=args.learner_dtype if lora is None else args.lora_base_dtype,
+                                device="cpu" if shared else None)
+    base_shared_gib = 0.0
     if lora is not None:
-        from asyncrl.lora import apply_lora
+        from asyncrl.lora import apply_lora, share_base
 
         model = apply_lora(model, lora)
+        if shared:
+            base_shared_gib = share_base(model, await engine.lend_base()) / 2**30
     config = pipeline_config(args, synchronous, lr)
     learner_memory = common.LearnerMemory()
     precompile_s = precompile_learner(args, model, config.learner)
@@ -314,7 +323,7 @@ async def one_run(args: argparse.Namespace, engine: Any, model_dir: Path, tok: A
                publication_pause_s={"mean": sum(pauses) / len(pauses), "max": max(pauses), "count": len(pauses)}
                if pauses else None, learner_peak_allocated_gib=learner_memory.peak_gib,
                trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-               engine_tokens_s=samples_of(clock), **token_books(pipe, result))
+               engine_tokens_s=samples_of(clock), base_shared_gib=base_shared_gib, **token_books(pipe, result))
     if counters:
         out["engine_sleep_s"], out["engine_wake_s"] = counters.sleep_s - before[0], counters.wake_s - before[1]
     del model, pipe

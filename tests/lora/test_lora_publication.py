@@ -169,3 +169,12 @@ async def test_the_engine_alone_bound_pays_for_an_adapter_that_changes_nothing(l
     served = await lora_engine.generate(prompt, SamplingConfig(n=4, max_tokens=6), request_id="zero-adapter")
     assert all(s.newest_version == lora_engine.version for s in served)
     assert max(sample_gaps(load_hf_model(tiny_model_dir), prompt, served)) < TOL, "zeros: the base's outputs"
+
+
+@MODULE_LOOP
+async def test_a_cpu_engine_refuses_to_lend_its_base(lora_engine):
+    """Lending maps the engine's weights over CUDA IPC: on the CPU the engine says so, before asking its workers
+    anything (tests/lora/test_lora_gpu.py lends on a GPU)."""
+    with pytest.raises(ConfigError, match="lend its weights: weights are lent over CUDA IPC, and this engine runs on "
+                                          "the CPU"):
+        await lora_engine.lend_base()

@@ -4,6 +4,7 @@ Weights arrive through the engine's one transport (``transports.base``), as its 
 files (``weight_transfer=files``, the path that works on CPU), CUDA IPC into shadow parameters (``cuda_ipc``, the
 default on CUDA), either one wrapped by sleep/wake (``sleep``), or LoRA adapters on the frozen base (``lora``).
 Versions are stamped by vLLM (0.32+) or tracked here from streamed deltas; an adapter's request has its adapter's.
+On CUDA, an engine serving adapters lends its weights to a LoRA learner as its frozen base (``lending``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from asyncrl.aio import TaskOwner, settle, together
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.common import SpanBuilder, completion_room, finish_reason, stamped_spans
 from asyncrl.engines.death import Death, watch_sentinels
-from asyncrl.engines.protocols import BehaviourPrecision, Engine, WeightUpdate, request_seed
+from asyncrl.engines.protocols import BaseLender, BehaviourPrecision, Engine, LentBase, WeightUpdate, request_seed
 from asyncrl.engines.rpc_dir import make_rpc_dir, remove_rpc_dir, rpc_dir_in_env
 from asyncrl.engines.vllm_local.config import (
     VLLMEngineConfig, check_model, engine_args, engine_env, scoped_env, set_vllm_log_level,
@@ -33,6 +34,7 @@ from asyncrl.engines.lora.in_process import LocalAdapterPort, lora_request
 from asyncrl.engines.shm_segments import record_segments
 from asyncrl.engines.transports.files import FileTransport
 from asyncrl.engines.vllm_local.ipc import CudaIpcTransport
+from asyncrl.engines.vllm_local.lending import lend
 from asyncrl.engines.vllm_local.llm_internals import (
     ClosedLLM,
     dtype_from_name,
@@ -59,7 +61,7 @@ log = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 1.0  # bound on waiting for pre-pause outputs to reach their streams
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(Engine, BaseLender):
     """Sampler, weight target and lifecycle over an ``AsyncLLM`` living in this process's event loop."""
 
     def __init__(self, llm: Any, cfg: VLLMEngineConfig, name: str = "vllm", rpc_dir: Path | None = None) -> None:
@@ -240,6 +242,12 @@ class VLLMEngine(Engine):
 
     async def score(self, token_ids: Sequence[int]) -> dict[str, list[float]]:
         return {self.name: await self.prompt_logprobs(token_ids)}
+
+    async def lend_base(self) -> LentBase:
+        """The weights this engine serves, mapped into this process over CUDA IPC, for a LoRA learner's frozen
+        base (``asyncrl.lora.share_base``); see ``lending`` for when an engine refuses."""
+        self._raise_if_dead()
+        return await lend(self.name, self._cfg, self._rpc)
 
     async def _guard(self, stream: Any, request_id: str) -> Any:
         """Re-raise vLLM's errors as ours: a request its validation refused (an id outside the vocabulary...) as

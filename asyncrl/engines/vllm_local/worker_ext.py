@@ -23,6 +23,8 @@ freezes the heap first (``exit_fast``).
 
 And it makes the engine's processes die with the program that started it (``starter_watch``).
 
+On CUDA it lends its weights (``asyncrl_lend_weights``): IPC handles a LoRA learner maps as its frozen base.
+
 LoRA adapters arrive from memory (``asyncrl_add_adapter``): the adapter's tensors, serialised in one safetensors
 buffer, travel as the call's argument and become vLLM's ``LoRAModel`` here, registered under the id the requests
 will name. No adapter file exists; vLLM's worker manager would read one only to reload an adapter it evicted,
@@ -214,6 +216,18 @@ class AsyncRLWorkerExtension:
         torch._foreach_copy_([live[n].data for n in names], [self._asyncrl_shadows[n] for n in names])
         torch.cuda.current_stream().synchronize()
         self._asyncrl_staged = None
+
+    def asyncrl_lend_weights(self) -> bytes:
+        """CUDA IPC handles to every parameter the served model holds (vLLM's names, tied ones once), with the
+        model's packed modules (``qkv_proj`` packs ``q_proj``, ``k_proj``, ``v_proj`` by rows) and this GPU's
+        UUID: what a LoRA learner maps as its frozen base (``engines.vllm_local.lending``)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        model = self.model_runner.get_model()
+        params = {name: reduce_tensor(p.data) for name, p in model.named_parameters()}
+        packed = {fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return pickle.dumps({"params": params, "packed": packed, "device_uuid": uuid})
 
     def _asyncrl_shadow_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         # Allocated once and reused: one extra copy of the weights in the engine's memory. Cloned, not empty:
