@@ -36,7 +36,7 @@ from asyncrl.algorithms.head import CHUNK_ELEMENTS, decoder_and_head
 from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import pack, round_up
 from asyncrl.config import LearnerConfig
-from asyncrl.engines.protocols import LentParameter
+from asyncrl.lora.shared_base import LentParameter
 from asyncrl.errors import ConfigError, MemoryBudgetError
 from asyncrl.types import RolloutGroup
 

@@ -24,11 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
-
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.errors import ConfigError, EngineError, PromptRejected, WeightUpdateError
+from asyncrl.lora.shared_base import LentBase, LentParameter
 from asyncrl.types import PauseMode, Sample
 
 __all__ = ["BaseLender", "BehaviourPrecision", "Engine", "EngineError", "LentBase", "LentParameter", "Lifecycle",
@@ -205,21 +204,6 @@ class Lifecycle(Protocol):
     async def close(self) -> None:
         """Shut down and release processes and staged files. Idempotent."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class LentBase:
-    """An engine's weights mapped into this process, read-only by contract, valid while that engine runs: what
-    a LoRA learner holds as its frozen base instead of a copy (``asyncrl.lora.share_base``)."""
-
-    engine: str
-    tensors: Mapping[str, torch.Tensor]  # the engine's own names (``...qkv_proj.weight``), tied weights once
-    packed: Mapping[str, tuple[str, ...]]  # fused module -> the checkpoint modules it stacks by rows, in order
-
-
-class LentParameter(torch.nn.Parameter):
-    """A policy's frozen parameter over a ``LentBase`` tensor: its memory is the engine's, so the learner's memory
-    plan leaves it out (``actors.memory``)."""
 
 
 class BaseLender(Protocol):

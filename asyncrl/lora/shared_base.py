@@ -16,13 +16,30 @@ closed, the policy must not run again.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
-from asyncrl.engines.protocols import LentBase, LentParameter
 from asyncrl.errors import ConfigError
 from asyncrl.lora.model import _require_lora
 
 PADDED = ("embed_tokens.weight", "lm_head.weight")  # vocabulary rows the engine may pad
+
+
+@dataclass(frozen=True, slots=True)
+class LentBase:
+    """An engine's weights mapped into this process, read-only by contract, valid while that engine runs
+    (``engines.protocols.BaseLender.lend_base``)."""
+
+    engine: str
+    tensors: Mapping[str, torch.Tensor]  # the engine's own names (``...qkv_proj.weight``), tied weights once
+    packed: Mapping[str, tuple[str, ...]]  # fused module -> the checkpoint modules it stacks by rows, in order
+
+
+class LentParameter(torch.nn.Parameter):
+    """A policy's frozen parameter over a ``LentBase`` tensor: its memory is the engine's, so the learner's memory
+    plan leaves it out (``actors.memory``)."""
 
 
 def engine_name(name: str) -> str:

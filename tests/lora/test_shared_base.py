@@ -11,10 +11,9 @@ import torch
 
 from asyncrl.actors.memory import plan_memory
 from asyncrl.config import LearnerConfig
-from asyncrl.engines.protocols import LentBase
 from asyncrl.errors import ConfigError
 from asyncrl.lora import share_base
-from asyncrl.lora.shared_base import engine_name
+from asyncrl.lora.shared_base import LentBase, engine_name
 from asyncrl.lora import apply_lora
 from tests.support.lora import CONFIG, lora_model, nudge_adapter
 

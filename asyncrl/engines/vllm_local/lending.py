@@ -22,10 +22,10 @@ import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncrl.engines.protocols import LentBase
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, is_cpu_platform
 from asyncrl.engines.vllm_local.worker_ext import open_ipc_tensor
 from asyncrl.errors import ConfigError
+from asyncrl.lora.shared_base import LentBase
 
 Rpc = Callable[..., Awaitable[Any]]  # rpc(method, *args): a collective call on the engine's workers
 
