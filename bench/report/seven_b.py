@@ -54,14 +54,20 @@ def logged_steps(log: Path) -> list[list[float]]:
 def seven_b_block(results_dir: Path) -> str:
     """LoRA at 7B, async (and what of sync was measured), one GPU: speed, pause, memory, MFU, reward."""
     lines = []
-    for r, source, path, _ in _runs(results_dir):
+    for r, source, path, args in _runs(results_dir):
         side = r.get(SHAPE, {}).get("ours", {}).get("async_lora")
         if not side or side.get("partial"):
             continue
         warm = r[SHAPE]["warm_start"]
         plan, peak = max(side["memory_predicted_gib"]), max(side["memory_peak_gib"])
+        what = "Repeat" if "repeats" in path.parts else "Run"
+        base = "the frozen bf16 base"
+        if args.get("share_base"):
+            what, base = "Base held once (`--share-base`)", (f"the engine's own bf16 weights, mapped "
+                                                             f"({num(side['base_shared_gib'], 1)} GiB the learner "
+                                                             f"does not hold)")
         lines.append(
-            f"- {'Repeat' if 'repeats' in path.parts else 'Run'}: ours async, LoRA rank 32 on the frozen bf16 base, "
+            f"- {what}: ours async, LoRA rank 32 on {base}, "
             f"{side['steps']} steps of 64 samples: **{num(side['completion_tokens_per_s'], 0)} trained completion "
             f"tokens/s** (mean length {num(side['trained_len_mean'], 0)}), publication pause "
             f"**{ms(side['publication_pause_s']['mean'])}** (largest {ms(side['publication_pause_s']['max'])}), "
@@ -353,9 +359,15 @@ def memory_block(results_dir: Path) -> str:
              "optimiser state (AdamW: two; full: bf16 `adamw_bf16`)",
              "publication snapshot (full: the CUDA IPC buffer; LoRA: in host memory)",
              "activation peak, measured with LoRA (the same micro-batches for full)"]
-    rows = [[n, cell(a), cell(b)] for n, a, b in zip(names, lora, full)]
+    # With the base lent by the engine (``--share-base``), the learner holds the adapter alone.
+    held_once = [engine_measured, weights, kv, 0.0, adapter, adapter, 2 * adapter, 0.0, activations]
+    shared = next((o["async_lora"] for r, _, _, a in _runs(results_dir, repeats=False) if a.get("share_base")
+                   and ((o := r.get(SHAPE, {}).get("ours", {})).get("async_lora") or {}).get("steps")), None)
+    columns = [lora, *([held_once] if shared else []), full]
+    rows = [[n, *(cell(c[i]) for c in columns)] for i, n in enumerate(names)]
     lora_total = engine_measured + sum(lora[3:])
     full_total = engine_measured + sum(full[3:])
+    once_total = engine_measured + sum(held_once[3:])
     full_run = next(((o["async"], a) for o, _, a in _full_runs(results_dir) if (o.get("async") or {}).get("steps")),
                     None)
     full_measured = "not measured"
@@ -363,14 +375,19 @@ def memory_block(results_dir: Path) -> str:
         full_side, full_args = full_run
         full_measured = (f"measured {cell(max(full_side['gpu_peak_used_gib']))}, with answers of mean "
                          f"{num(full_args['mean_answer'], 0)} tokens")
+    once = [f"**{cell(once_total)}** (measured {cell(max(shared['gpu_peak_used_gib']))})"] if shared else []
     rows.append(["**whole GPU** (engine process + learner)", f"**{cell(lora_total)}** (measured "
-                 f"{cell(max(side['gpu_peak_used_gib']))})", f"**{cell(full_total)}** ({full_measured})"])
-    rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total), fits(full_total)])
+                 f"{cell(max(side['gpu_peak_used_gib']))})", *once, f"**{cell(full_total)}** ({full_measured})"])
+    rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total),
+                 *([fits(once_total)] if shared else []), fits(full_total)])
     note = (f"GiB, Qwen2.5-7B shape ({total / 1e9:.2f}B parameters), LoRA rank 32 "
             f"({side['trainable_params'] / 1e6:.1f}M adapter parameters). Shape arithmetic for the weights, gradients, "
             f"states, shadows and snapshot; the engine process and the activation peak are what the LoRA run measured "
-            f"(the full column reuses them: its engine and micro-batches are the same). Source: {source}.")
-    return "\n".join([*table(["part", "LoRA, async", "full fine-tuning, async"], rows), "", note])
+            f"(the full column reuses them: its engine and micro-batches are the same)"
+            + ("; base held once: the learner holds the adapter alone, its frozen parameters mapped onto the engine's "
+               "weights (`asyncrl.lora.share_base`)" if shared else "") + f". Source: {source}.")
+    heads = ["part", "LoRA, async", *(["LoRA, async, base held once"] if shared else []), "full fine-tuning, async"]
+    return "\n".join([*table(heads, rows), "", note])
 
 
 def fits(total: float) -> str:

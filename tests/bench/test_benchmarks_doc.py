@@ -148,6 +148,28 @@ def test_full_fine_tuning_sets_async_beside_sync_and_the_engine_alone(q7_copy):
     assert "Full fine-tuning has not run its 24 steps" in seven_b.missing_paragraph(work), "8 steps are not 24"
 
 
+def test_a_run_on_the_lent_base_gets_its_own_line_and_memory_column(q7_copy):
+    """A file from ``run_7b.sh shared`` (``--share-base``) reads as the base held once, and the memory table sets
+    the plan without the learner's copy of the base beside the measured whole-GPU peak."""
+    shape, write = q7_copy
+    work = write(shape)
+    doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
+    ours = doc["results"]["qwen2.5-7b"]["ours"]
+    side = dict(ours["async_lora"], gpu_peak_used_gib=[45.75], base_shared_gib=14.19)
+    doc["results"] = {"qwen2.5-7b": {"warm_start": doc["results"]["qwen2.5-7b"]["warm_start"],
+                                     "ours": {"async_lora": side, "alone_lora": ours["alone_lora"]}}}
+    doc["parameters"]["share_base"] = True
+    (work / "gpu_workload_h100_q7_shared.json").write_text(json.dumps(doc))
+    block = seven_b.seven_b_block(work)
+    assert "- Base held once (`--share-base`): ours async, LoRA rank 32 on the engine's own bf16 weights, mapped " \
+           "(14.2 GiB the learner does not hold)" in block and "whole-GPU peak **45.8 GiB**" in block
+    table = seven_b.memory_block(work)
+    assert "| part | LoRA, async | LoRA, async, base held once | full fine-tuning, async |" in table
+    # The LoRA column less the learner's bf16 copy of the base (59.54 - 14.19, before rounding).
+    assert "| **59.5** (measured 59.5) | **45.4** (measured 45.8) | **129.3** (not measured) |" in table
+    assert "base held once: the learner holds the adapter alone" in table
+
+
 def test_a_trl_side_cut_short_is_compared_over_the_steps_both_ran(q7_copy):
     """Rewards rise as a run trains: TRL's first two steps are set beside ours' first two, not ours' whole run."""
     shape, write = q7_copy
