@@ -36,8 +36,8 @@ from asyncrl.algorithms.head import CHUNK_ELEMENTS, decoder_and_head
 from asyncrl.algorithms.logprobs import width_multiple
 from asyncrl.algorithms.rows import pack, round_up
 from asyncrl.config import LearnerConfig
-from asyncrl.lora.shared_base import LentParameter
 from asyncrl.errors import ConfigError, MemoryBudgetError
+from asyncrl.lora.shared_base import LentParameter
 from asyncrl.types import RolloutGroup
 
 __all__ = ["GIB", "Layout", "MemoryPlan", "ModelShape", "Pass", "memory_gauges", "plan_memory", "reset_peak"]

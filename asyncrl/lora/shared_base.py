@@ -53,7 +53,6 @@ def share_base(model: torch.nn.Module, lent: LentBase) -> int:
     longer holds. ``ConfigError`` names a parameter the engine does not hold, or holds in another shape or
     dtype; nothing is replaced then."""
     _require_lora(model, "share_base")
-    device = next(iter(lent.tensors.values())).device
     params = {engine_name(name): p for name, p in model.named_parameters() if not p.requires_grad}  # tied: once
     shared = {id(param): LentParameter(_view(name, param, params, lent), requires_grad=False)
               for name, param in params.items()}
@@ -61,7 +60,8 @@ def share_base(model: torch.nn.Module, lent: LentBase) -> int:
         for attr, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) in shared:
                 setattr(module, attr, shared[id(param)])
-    model.to(device)  # the adapter and the buffers; the lent parameters are there already
+    if shared:  # the adapter and the buffers; the lent parameters are there already
+        model.to(next(iter(shared.values())).device)
     return sum(p.numel() * p.element_size() for p in params.values())
 
 

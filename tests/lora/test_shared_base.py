@@ -127,3 +127,9 @@ def test_an_engine_that_cannot_lend_says_why(monkeypatch, tiny_model_dir):
     ]:
         got = lending.refusal(cfg)
         assert got is not None and got[0] == field and why in got[1]
+
+
+def test_an_empty_lent_base_names_the_first_weight_it_lacks():
+    model = lora_model()
+    with pytest.raises(ConfigError, match="engine lender holds no such weight"):
+        share_base(model, LentBase("lender", {}, {}))
