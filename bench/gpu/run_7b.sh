@@ -12,7 +12,8 @@
 #           token counter and the running-request gauge against the learner's steps)
 #   shared  the engine alone serving an adapter of zeros, then ours async with LoRA on the engine's own weights
 #           (--share-base: the base held once), $SHARE_STEPS (6) steps: gpu_workload_<gpu>_q7_shared.json, the
-#           whole-GPU peak against the lora step's, and where the engine's time goes (as share)
+#           whole-GPU peak against the lora step's, and where the engine's time goes (as share); $SHARED_SIDES
+#           (default alone_lora,async_lora) picks the sides
 #   trl     TRL GRPOTrainer with PEFT LoRA (same rank, targets, learning rate) and vLLM colocate, into the same file
 #   full    ours, async, full fine-tuning: bf16 weights with adamw_bf16 (8 bytes a parameter with its gradient),
 #           $FULL_STEPS steps (default 24) of 4 groups, answers of mean 256: gpu_workload_<gpu>_q7_full.json
@@ -57,7 +58,7 @@ for s in $STEPS; do case $s in
   alone) run alone 240 "$PY" "${W7[@]}" --sides alone_lora --tag q7 --deadline-s "$(deadline)";;
   share) run share 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_share_adapter --steps "${SHARE_STEPS:-6}" \
       --deadline-s "$(deadline)";;
-  shared) run shared 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_shared --share-base --steps "${SHARE_STEPS:-6}" \
+  shared) run shared 300 "$PY" "${W7[@]}" --sides "${SHARED_SIDES:-alone_lora,async_lora}" --tag q7_shared --share-base --steps "${SHARE_STEPS:-6}" \
       --deadline-s "$(deadline)";;
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;
