@@ -2,12 +2,12 @@
 policy at the weights the engine serves (``BaseLender.lend_base``), so learner and engine on one GPU hold the
 base once instead of twice (14.2 GiB saved at 7B in bfloat16).
 
-The engine names its parameters its own way. A parameter is found under the policy's name (PEFT's wrapping and
-``base_layer`` levels taken off), or inside the fused module that stacks it by rows (``qkv_proj`` stacks
-``q_proj``, ``k_proj``, ``v_proj``: each is a row slice, at the offset its predecessors' rows add up to); the
-embedding and the output head may have more rows in the engine (its vocabulary padding), and take the first
-ones. Shapes and dtypes must match exactly otherwise. Every frozen parameter is mapped before any is replaced,
-so a refusal leaves the policy as it was.
+The engine names its parameters its own way. A parameter is found under the policy's name (the ``base_layer``
+levels that PEFT's and vLLM's LoRA layers add, and PEFT's outer wrapping, taken off on both sides), or inside the
+fused module that stacks it by rows (``qkv_proj`` stacks ``q_proj``, ``k_proj``, ``v_proj``: each is a row slice,
+at the offset its predecessors' rows add up to); the embedding and the output head may have more rows in the
+engine (its vocabulary padding), and take the first ones. Shapes and dtypes must match exactly otherwise. Every
+frozen parameter is mapped before any is replaced, so a refusal leaves the policy as it was.
 
 The lent weights are read-only by contract: nothing in asyncrl writes a frozen parameter (``merged_state`` builds
 new tensors), and the engine never rewrites them while it serves adapters. They live in the engine: once it is
@@ -43,7 +43,8 @@ class LentParameter(torch.nn.Parameter):
 
 
 def engine_name(name: str) -> str:
-    """``name`` without PEFT's levels: ``base_model.model.`` in front, ``base_layer.`` inside."""
+    """``name`` without the wrapping levels: PEFT's ``base_model.model.`` in front, PEFT's and vLLM's
+    ``base_layer.`` inside."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
@@ -53,6 +54,8 @@ def share_base(model: torch.nn.Module, lent: LentBase) -> int:
     longer holds. ``ConfigError`` names a parameter the engine does not hold, or holds in another shape or
     dtype; nothing is replaced then."""
     _require_lora(model, "share_base")
+    # vLLM's LoRA layers wrap the base layer as PEFT's do: both sides' names lose their ``base_layer`` level.
+    lent = LentBase(lent.engine, {engine_name(n): t for n, t in lent.tensors.items()}, lent.packed)
     params = {engine_name(name): p for name, p in model.named_parameters() if not p.requires_grad}  # tied: once
     shared = {id(param): LentParameter(_view(name, param, params, lent), requires_grad=False)
               for name, param in params.items()}

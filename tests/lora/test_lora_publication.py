@@ -178,3 +178,35 @@ async def test_a_cpu_engine_refuses_to_lend_its_base(lora_engine):
     with pytest.raises(ConfigError, match="lend its weights: weights are lent over CUDA IPC, and this engine runs on "
                                           "the CPU"):
         await lora_engine.lend_base()
+
+
+@MODULE_LOOP
+async def test_the_policy_maps_onto_a_real_engines_weights(lora_engine, tiny_model_dir):
+    """``share_base`` against what a real LoRA engine's worker holds, by value (``lend_base`` maps the same tensors
+    over CUDA IPC on a GPU): vLLM's names with their ``base_layer`` level, its packed modules, its padded
+    vocabulary and its fused q/k/v bias. On the CPU the worker repacks linear weights into its GEMM kernels' layout
+    and keeps an empty tensor in their place; those are rebuilt from the checkpoint the way vLLM stacks them. The
+    policy on the engine's weights computes exactly what it computes on its own."""
+    import pickle
+
+    from asyncrl.lora import share_base
+    from asyncrl.lora.shared_base import LentBase
+
+    doc = pickle.loads((await lora_engine._rpc("asyncrl_weight_copies"))[0])
+    tensors, packed = doc["tensors"], doc["packed"]
+    assert any(".base_layer." in name for name in tensors), "vLLM's LoRA layers wrap the base layer"
+    own = dict(load_hf_model(tiny_model_dir).named_parameters())
+    repacked = [name for name, t in tensors.items() if t.numel() == 0]
+    for name in repacked:
+        module, _, attr = name.replace(".base_layer.", ".").rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        tensors[name] = torch.cat([own[f"{parent}.{part}.{attr}"].detach()
+                                   for part in packed.get(leaf, (leaf,))])
+    assert len(repacked) < len(tensors), "some weights are the engine's own values"
+    policy = peft_model(tiny_model_dir, 31)
+    ids = torch.tensor([[3, 17, 42, 5, 9, 11, 60, 2]])
+    with torch.no_grad():
+        before = policy(ids).logits
+    assert share_base(policy, LentBase(lora_engine.name, tensors, packed)) > 0
+    with torch.no_grad():
+        assert torch.equal(policy(ids).logits, before)

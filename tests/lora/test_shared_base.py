@@ -21,7 +21,8 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def lent_like_vllm(model: torch.nn.Module, pad_to: int = 64) -> LentBase:
-    """``model``'s frozen weights as vLLM holds them: fused by rows, the vocabulary padded, new storage."""
+    """``model``'s frozen weights as vLLM holds them with LoRA on: fused by rows, projections wrapped in a
+    ``base_layer``, the vocabulary padded, new storage (the names are a real engine's: test_lora_publication.py)."""
     plain = {engine_name(n): p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in plain.items():
@@ -30,10 +31,12 @@ def lent_like_vllm(model: torch.nn.Module, pad_to: int = 64) -> LentBase:
         fused = next((f for f, parts in PACKED.items() if leaf in parts), None)
         if fused is None:
             rows = -(-tensor.shape[0] // pad_to) * pad_to if name.endswith("embed_tokens.weight") else 0
-            out[name] = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])]) \
+            key = f"{module}.base_layer.{attr}" if leaf.endswith("_proj") else name
+            out[key] = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])]) \
                 if rows else tensor.clone()
         elif leaf == PACKED[fused][0]:
-            out[f"{parent}.{fused}.{attr}"] = torch.cat([plain[f"{parent}.{p}.{attr}"] for p in PACKED[fused]])
+            out[f"{parent}.{fused}.base_layer.{attr}"] = torch.cat([plain[f"{parent}.{p}.{attr}"]
+                                                                    for p in PACKED[fused]])
     return LentBase("lender", out, PACKED)
 
 
@@ -85,11 +88,11 @@ def test_the_policy_runs_on_the_lent_base_and_holds_none_of_it(tied):
 
 
 @pytest.mark.parametrize("break_it, named", [
-    (lambda t: t.pop("model.layers.0.mlp.down_proj.weight"), "model.layers.0.mlp.down_proj.weight: engine lender "
-                                                              "holds no such weight"),
+    (lambda t: t.pop("model.layers.0.mlp.down_proj.base_layer.weight"), "model.layers.0.mlp.down_proj.weight: "
+                                                                         "engine lender holds no such weight"),
     (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:-1]}), "model.norm.weight: the policy's is"),
-    (lambda t: t.update({"model.layers.1.self_attn.qkv_proj.weight":
-                         t["model.layers.1.self_attn.qkv_proj.weight"][:-2]}),
+    (lambda t: t.update({"model.layers.1.self_attn.qkv_proj.base_layer.weight":
+                         t["model.layers.1.self_attn.qkv_proj.base_layer.weight"][:-2]}),
      "qkv_proj.weight has 126 rows, not the 128"),
     (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()}), "load the policy's base in the "
                                                                                   "engine's dtype"),
