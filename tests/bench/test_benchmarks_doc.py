@@ -153,13 +153,18 @@ def test_a_run_on_the_lent_base_gets_its_own_line_and_memory_column(q7_copy):
     the plan without the learner's copy of the base beside the measured whole-GPU peak."""
     shape, write = q7_copy
     work = write(shape)
+    missing = seven_b.missing_paragraph(work)
+    assert "The base held once (`--share-base`" in missing and "without an adapter only" in missing
     doc = json.loads((work / "gpu_workload_h100_q7.json").read_text())
     ours = doc["results"]["qwen2.5-7b"]["ours"]
     side = dict(ours["async_lora"], gpu_peak_used_gib=[45.75], base_shared_gib=14.19)
     doc["results"] = {"qwen2.5-7b": {"warm_start": doc["results"]["qwen2.5-7b"]["warm_start"],
                                      "ours": {"async_lora": side, "alone_lora": ours["alone_lora"]}}}
     doc["parameters"]["share_base"] = True
+    doc["results"]["qwen2.5-7b"]["ours"]["alone_lora"] = dict(ours["alone_lora"], adapter=True)
     (work / "gpu_workload_h100_q7_shared.json").write_text(json.dumps(doc))
+    missing = seven_b.missing_paragraph(work)
+    assert "The base held once" not in missing and "without an adapter only" not in missing
     block = seven_b.seven_b_block(work)
     assert "- Base held once (`--share-base`): ours async, LoRA rank 32 on the engine's own bf16 weights, mapped " \
            "(14.2 GiB the learner does not hold)" in block and "whole-GPU peak **45.8 GiB**" in block
