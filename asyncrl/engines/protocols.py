@@ -27,12 +27,11 @@ from typing import Protocol, runtime_checkable
 from asyncrl.config import SamplingConfig
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
 from asyncrl.errors import ConfigError, EngineError, PromptRejected, WeightUpdateError
-from asyncrl.lora.shared_base import LentBase, LentParameter
+from asyncrl.lora.shared_base import LentBase
 from asyncrl.types import PauseMode, Sample
 
-__all__ = ["BaseLender", "BehaviourPrecision", "Engine", "EngineError", "LentBase", "LentParameter", "Lifecycle",
-           "PromptRejected", "Sampler", "StagedInEngine", "WeightTarget", "WeightUpdate", "WeightUpdateError",
-           "request_seed"]
+__all__ = ["BaseLender", "BehaviourPrecision", "Engine", "EngineError", "LentBase", "Lifecycle", "PromptRejected",
+           "Sampler", "StagedInEngine", "WeightTarget", "WeightUpdate", "WeightUpdateError", "request_seed"]
 
 
 @dataclass(frozen=True, slots=True)

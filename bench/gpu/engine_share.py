@@ -72,10 +72,11 @@ class TokenClock:
 Samples = Sequence[Sequence[float]]
 
 
-def running_mean(samples: Samples, spans: Sequence[tuple[float, float]]) -> float | None:
-    """The mean of the running-request gauge over the samples inside ``spans``, each ``[start, end)`` (the clock
-    samples at a steady period, so a plain mean is a time average); None where no sample inside holds the gauge."""
-    inside = [s[2] for s in samples if len(s) > 2 and any(a <= s[0] < b for a, b in spans)]
+def running_mean(samples: Samples, spans: Sequence[tuple[float, float]] | None = None) -> float | None:
+    """The mean of the running-request gauge over the samples inside ``spans``, each ``[start, end)`` (None: every
+    sample; the clock samples at a steady period, so a plain mean is a time average); None where no sample inside
+    holds the gauge."""
+    inside = [s[2] for s in samples if len(s) > 2 and (spans is None or any(a <= s[0] < b for a, b in spans))]
     return sum(inside) / len(inside) if inside else None
 
 

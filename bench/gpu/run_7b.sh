@@ -47,8 +47,8 @@ W7=(-m bench.gpu.workload --out "$KEEP" --shapes qwen2.5-7b --max-answer 4096 --
     --trl-python "$PY" --trl-path /tmp/trl-site --trl-path /tmp/peft-site --trl-gpu-memory-utilization "$TRL_SHARE")
 # Full fine-tuning: 57 GiB of weights, gradients and bf16 AdamW states alone, so the learner's budget is 76 GiB
 # (engine 28 + its 14.2 GiB of shadow weights + learner 76 + the 14.2 GiB publication snapshot: 132.4 GiB, inside
-# the 134 GiB a 141 GiB H200 leaves usable). 24 steps of 8 groups of
-# ~950-token answers would take an estimated ~23 s each at 7B, past one command; 4 groups of mean-256 answers fit.
+# the 134 GiB a 141 GiB H200 leaves usable). 24 steps of 8 groups of ~950-token answers would take an estimated
+# ~23 s each at 7B, past one command; 4 groups of mean-256 answers fit.
 FULL=(--tag q7_full --learner-dtype bfloat16 --optimizer adamw_bf16 --memory-budget-gib 76 --batch-groups 4
       --mean-answer 256)
 deadline() { echo $(( $(left) - 25 )); }
@@ -56,10 +56,10 @@ for s in $STEPS; do case $s in
   lora) run lora 300 "$PY" "${W7[@]}" --sides async_lora --tag q7 --deadline-s "$(deadline)";;
   lorasync) run lorasync 300 "$PY" "${W7[@]}" --sides sync_lora --tag q7 --deadline-s "$(deadline)";;
   alone) run alone 240 "$PY" "${W7[@]}" --sides alone_lora --tag q7 --deadline-s "$(deadline)";;
-  share) run share 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_share_adapter --steps "${SHARE_STEPS:-6}" \
-      --deadline-s "$(deadline)";;
-  shared) run shared 300 "$PY" "${W7[@]}" --sides "${SHARED_SIDES:-alone_lora,async_lora}" --tag q7_shared --share-base --steps "${SHARE_STEPS:-6}" \
-      --deadline-s "$(deadline)";;
+  share) run share 300 "$PY" "${W7[@]}" --sides alone_lora,async_lora --tag q7_share_adapter \
+      --steps "${SHARE_STEPS:-6}" --deadline-s "$(deadline)";;
+  shared) run shared 300 "$PY" "${W7[@]}" --sides "${SHARED_SIDES:-alone_lora,async_lora}" --tag q7_shared \
+      --share-base --steps "${SHARE_STEPS:-6}" --deadline-s "$(deadline)";;
   trl) run trl 300 "$PY" "${W7[@]}" --sides trl_lora --tag q7 --trl-timeout "$(deadline)" \
       --deadline-s "$(deadline)";;
   full) run full 300 "$PY" "${W7[@]}" "${FULL[@]}" --sides async --steps "${FULL_STEPS:-24}" --deadline-s "$(deadline)";;

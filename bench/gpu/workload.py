@@ -362,12 +362,9 @@ async def engine_alone(args: argparse.Namespace, engine: Any, prompts: list[Any]
     """The engine by itself: the same groups at the producers' concurrency, nothing else running. ``adapter`` (an
     ``AdapterWeights``) is published first, so a LoRA engine's bound pays the adapter's kernels as async does."""
     import asyncrl
-    from asyncrl.actors.weight_sync import WeightSync
-    from asyncrl.config import SyncConfig
-    from asyncrl.versions import VersionClock
 
     if adapter is not None:
-        await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(adapter)
+        await asyncrl.publish(engine, adapter)
     params = asyncrl.SamplingConfig(n=args.n, max_tokens=args.max_tokens)
     gate = asyncio.Semaphore(args.batch_groups * args.inflight_batches)
     groups = prompts[: args.steps * args.batch_groups]

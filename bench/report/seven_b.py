@@ -33,10 +33,16 @@ def _runs(results_dir: Path, repeats: bool = True) -> list[tuple[dict[str, Any],
     return out
 
 
-def _full_runs(results_dir: Path) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """The 7B full fine-tuning files (``adamw_bf16``): our sides, source and parameters."""
+def _ours_where(results_dir: Path, **params: Any) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """The 7B files run with ``params`` (``optimizer="adamw_bf16"``: full fine-tuning; ``share_base=True``: the base
+    held once): our sides, source and parameters."""
     return [(r.get(SHAPE, {}).get("ours", {}), source, args) for r, source, _, args in _runs(results_dir, repeats=False)
-            if args.get("optimizer") == "adamw_bf16"]
+            if all(args.get(k) == v for k, v in params.items())]
+
+
+def _full_runs(results_dir: Path) -> list[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """The 7B full fine-tuning files (``adamw_bf16``)."""
+    return _ours_where(results_dir, optimizer="adamw_bf16")
 
 
 def logged_steps(log: Path) -> list[list[float]]:
@@ -135,7 +141,7 @@ def not_yet_run(results_dir: Path) -> list[str]:
     """The GPU steps of ``run_7b.sh`` that no file holds a figure of yet, one sentence each."""
     runs = _runs(results_dir, repeats=False)
     out = []
-    if not any(args.get("share_base") for _, _, _, args in runs):
+    if not _ours_where(results_dir, share_base=True):
         out.append("The base held once (`--share-base`: the learner maps the engine's weights) has not run on a GPU "
                    "(`run_7b.sh 570 shared`, after `pytest -m gpu tests/lora/test_lora_gpu.py`).")
     if not any((r.get(SHAPE, {}).get("ours", {}).get("alone_lora") or {}).get("adapter") for r, _, _, _ in runs):
@@ -165,9 +171,7 @@ def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:
              + (f", {num(p['running'], 0)} requests running" if "running" in p else "")
              for name, what in names.items() if (p := cut[name])["tokens_per_s"] is not None]
     busy = cut["training"]["s"] / cut["span_s"]
-    alone_samples = (alone or {}).get("engine_tokens_s") or []
-    alone_running = running_mean(alone_samples, [(alone_samples[0][0], alone_samples[-1][0] + 1)]) \
-        if alone_samples else None
+    alone_running = running_mean((alone or {}).get("engine_tokens_s") or [])
     against = (f" The engine alone ran {num(alone_running, 0)} requests on average"
                + (", serving an adapter of zeros" if alone.get("adapter") else ", without an adapter") + "."
                if alone_running is not None else "")
@@ -373,15 +377,6 @@ def memory_block(results_dir: Path) -> str:
              "optimiser state (AdamW: two; full: bf16 `adamw_bf16`)",
              "publication snapshot (full: the CUDA IPC buffer; LoRA: in host memory)",
              "activation peak, measured with LoRA (the same micro-batches for full)"]
-    # With the base lent by the engine (``--share-base``), the learner holds the adapter alone.
-    held_once = [engine_measured, weights, kv, 0.0, adapter, adapter, 2 * adapter, 0.0, activations]
-    shared = next((o["async_lora"] for r, _, _, a in _runs(results_dir, repeats=False) if a.get("share_base")
-                   and ((o := r.get(SHAPE, {}).get("ours", {})).get("async_lora") or {}).get("steps")), None)
-    columns = [lora, *([held_once] if shared else []), full]
-    rows = [[n, *(cell(c[i]) for c in columns)] for i, n in enumerate(names)]
-    lora_total = engine_measured + sum(lora[3:])
-    full_total = engine_measured + sum(full[3:])
-    once_total = engine_measured + sum(held_once[3:])
     full_run = next(((o["async"], a) for o, _, a in _full_runs(results_dir) if (o.get("async") or {}).get("steps")),
                     None)
     full_measured = "not measured"
@@ -389,19 +384,27 @@ def memory_block(results_dir: Path) -> str:
         full_side, full_args = full_run
         full_measured = (f"measured {cell(max(full_side['gpu_peak_used_gib']))}, with answers of mean "
                          f"{num(full_args['mean_answer'], 0)} tokens")
-    once = [f"**{cell(once_total)}** (measured {cell(max(shared['gpu_peak_used_gib']))})"] if shared else []
-    rows.append(["**whole GPU** (engine process + learner)", f"**{cell(lora_total)}** (measured "
-                 f"{cell(max(side['gpu_peak_used_gib']))})", *once, f"**{cell(full_total)}** ({full_measured})"])
-    rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", fits(lora_total),
-                 *([fits(once_total)] if shared else []), fits(full_total)])
+    # (head, parts, what was measured). With the base lent by the engine (``--share-base``), the learner holds the
+    # adapter alone.
+    columns = [("LoRA, async", lora, f"measured {cell(max(side['gpu_peak_used_gib']))}")]
+    shared = next((o["async_lora"] for o, _, _ in _ours_where(results_dir, share_base=True)
+                   if (o.get("async_lora") or {}).get("steps")), None)
+    if shared:
+        held_once = [engine_measured, weights, kv, 0.0, adapter, adapter, 2 * adapter, 0.0, activations]
+        columns.append(("LoRA, async, base held once", held_once, f"measured {cell(max(shared['gpu_peak_used_gib']))}"))
+    columns.append(("full fine-tuning, async", full, full_measured))
+    rows = [[n, *(cell(parts[i]) for _, parts, _ in columns)] for i, n in enumerate(names)]
+    totals = [engine_measured + sum(parts[3:]) for _, parts, _ in columns]
+    rows.append(["**whole GPU** (engine process + learner)",
+                 *(f"**{cell(t)}** ({measured})" for t, (_, _, measured) in zip(totals, columns))])
+    rows.append(["fits an 80 GiB H100 / a 141 GiB H200 (75 / 134 GiB usable)", *map(fits, totals)])
     note = (f"GiB, Qwen2.5-7B shape ({total / 1e9:.2f}B parameters), LoRA rank 32 "
             f"({side['trainable_params'] / 1e6:.1f}M adapter parameters). Shape arithmetic for the weights, gradients, "
             f"states, shadows and snapshot; the engine process and the activation peak are what the LoRA run measured "
             f"(the full column reuses them: its engine and micro-batches are the same)"
             + ("; base held once: the learner holds the adapter alone, its frozen parameters mapped onto the engine's "
                "weights (`asyncrl.lora.share_base`)" if shared else "") + f". Source: {source}.")
-    heads = ["part", "LoRA, async", *(["LoRA, async, base held once"] if shared else []), "full fine-tuning, async"]
-    return "\n".join([*table(heads, rows), "", note])
+    return "\n".join([*table(["part", *(head for head, _, _ in columns)], rows), "", note])
 
 
 def fits(total: float) -> str:

@@ -50,7 +50,7 @@ async def test_gpu_policy_trains_on_the_engines_base(gpu_model_dir):
     engine's weights, and the engine serves each adapter it publishes."""
     import gc
 
-    from asyncrl import SyncConfig, VersionClock, WeightSync
+    from asyncrl import publish
     from asyncrl.engines.vllm_local import VLLMEngine, VLLMEngineConfig
     from asyncrl.lora import share_base
     from tests.support.lora import adapter_source, sample_gaps
@@ -73,7 +73,7 @@ async def test_gpu_policy_trains_on_the_engines_base(gpu_model_dir):
         prompt = tuple(ids[0].tolist())
         engine_weights = {n: t.clone() for n, t in lent.tensors.items()}
         for round_ in range(2):
-            await WeightSync(engine, VersionClock(engine.version), SyncConfig()).publish(adapter_source(policy))
+            await publish(engine, adapter_source(policy))
             served = await engine.generate(prompt, SamplingConfig(n=4, max_tokens=8), f"shared-base-{round_}")
             assert statistics.fmean(sample_gaps(policy, prompt, served)) < BF16_MEAN_ATOL
             optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.engines.vllm_local.worker_ext import AsyncRLWorkerExtension, own_input_queue
+from asyncrl.engines.vllm_local.worker_ext import AsyncRLWorkerExtension, own_input_queue, packed_modules
 
 
 class TestWorkerExtension(AsyncRLWorkerExtension):
@@ -19,5 +19,4 @@ class TestWorkerExtension(AsyncRLWorkerExtension):
 
         model = self.model_runner.get_model()
         tensors = {name: p.detach().clone() for name, p in model.named_parameters()}
-        packed = {fused: tuple(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
-        return pickle.dumps({"tensors": tensors, "packed": packed})
+        return pickle.dumps({"tensors": tensors, "packed": packed_modules(model)})

@@ -18,6 +18,7 @@ import torch
 
 from asyncrl.engines.transports.base import FULL_ONLY, Transport
 from asyncrl.engines.updates import StagedInEngine, WeightUpdate
+from asyncrl.engines.vllm_local.worker_ext import device_uuid
 from asyncrl.engines.weights import ParamSpec, all_finite, check_specs, first_non_finite, validate_update
 from asyncrl.errors import EngineError, WeightUpdateError
 
@@ -43,8 +44,7 @@ def pack_for_ipc(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device
         flat[offset:offset + n].view(shape).copy_(tensors[name].detach())
         layout.append((name, shape, offset, n))
         offset += n
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    payload = pickle.dumps({"handle": reduce_tensor(flat), "device_uuid": uuid, "layout": layout})
+    payload = pickle.dumps({"handle": reduce_tensor(flat), "device_uuid": device_uuid(device), "layout": layout})
     return flat, payload
 
 

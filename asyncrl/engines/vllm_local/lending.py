@@ -19,15 +19,12 @@ The mapping is valid while the engine runs: a learner that outlives its engine m
 from __future__ import annotations
 
 import pickle
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from asyncrl.engines.vllm_local.config import VLLMEngineConfig, is_cpu_platform
+from asyncrl.engines.vllm_local.ipc import Rpc
 from asyncrl.engines.vllm_local.worker_ext import open_ipc_tensor
 from asyncrl.errors import ConfigError
 from asyncrl.lora.shared_base import LentBase
-
-Rpc = Callable[..., Awaitable[Any]]  # rpc(method, *args): a collective call on the engine's workers
 
 
 def refusal(cfg: VLLMEngineConfig) -> tuple[str, str] | None:
@@ -54,4 +51,4 @@ async def lend(engine: str, cfg: VLLMEngineConfig, rpc: Rpc) -> LentBase:
                                                     "shards cannot be a learner's base (lend from one worker)")
     doc = pickle.loads(payloads[0])
     tensors = {name: open_ipc_tensor(handle, doc["device_uuid"]) for name, handle in doc["params"].items()}
-    return LentBase(engine, tensors, {fused: tuple(parts) for fused, parts in doc["packed"].items()})
+    return LentBase(engine, tensors, doc["packed"])

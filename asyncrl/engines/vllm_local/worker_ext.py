@@ -225,9 +225,8 @@ class AsyncRLWorkerExtension:
 
         model = self.model_runner.get_model()
         params = {name: reduce_tensor(p.data) for name, p in model.named_parameters()}
-        packed = {fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        return pickle.dumps({"params": params, "packed": packed, "device_uuid": uuid})
+        return pickle.dumps({"params": params, "packed": packed_modules(model),
+                             "device_uuid": device_uuid(torch.cuda.current_device())})
 
     def _asyncrl_shadow_params(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         # Allocated once and reused: one extra copy of the weights in the engine's memory. Cloned, not empty:
@@ -235,6 +234,12 @@ class AsyncRLWorkerExtension:
         if getattr(self, "_asyncrl_shadows", None) is None:
             self._asyncrl_shadows = {n: p.data.clone() for n, p in model.named_parameters()}
         return self._asyncrl_shadows
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """vLLM's fused modules and the checkpoint modules each stacks by rows, in order (``qkv_proj``: ``q_proj``,
+    ``k_proj``, ``v_proj``): the model class's ``packed_modules_mapping``, empty where it fuses nothing."""
+    return {fused: tuple(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()}
 
 
 def own_input_queue() -> Any:
@@ -252,19 +257,24 @@ def own_input_queue() -> Any:
     return None
 
 
-# -- CUDA IPC: the worker side (the learner side is ``ipc.py``) ----------------------------------------------
+# -- CUDA IPC: the worker side (the learner side is ``ipc.py``; lending runs it the other way round) ----------
 
 
-def open_ipc_tensor(handle: tuple[Any, tuple[Any, ...]], device_uuid: str) -> torch.Tensor:
+def device_uuid(device: torch.device | int) -> str:
+    """The GPU's UUID: the one name of a device that both ends of a CUDA IPC handle agree on."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def open_ipc_tensor(handle: tuple[Any, tuple[Any, ...]], sender_uuid: str) -> torch.Tensor:
     """Rebuild the sender's tensor here. The sender's device index may name another GPU in this process
     (different ``CUDA_VISIBLE_DEVICES``), so the device is found by UUID."""
     rebuild, args = handle
     for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+        if device_uuid(index) == sender_uuid:
             args = (*args[:6], index, *args[7:])  # argument 6 of rebuild_cuda_tensor is the device index
             break
     else:
-        raise RuntimeError(f"GPU {device_uuid} of the weight sender is not visible to this worker")
+        raise RuntimeError(f"GPU {sender_uuid} of the tensors' sender is not visible to this process")
     return rebuild(*args)
 
 
