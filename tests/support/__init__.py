@@ -116,3 +116,17 @@ def living(procs):  # type: ignore[no-untyped-def]
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def describe(procs):  # type: ignore[no-untyped-def]
+    """The first words of each process's command line, for a failure message; one that exited meanwhile (a
+    zombie included: psutil's ZombieProcess is a NoSuchProcess) reads as gone."""
+    import psutil
+
+    out = []
+    for proc in procs:
+        try:
+            out.append(" ".join(proc.cmdline()[:3]))
+        except psutil.NoSuchProcess:
+            out.append(f"{proc.pid}: gone")
+    return out

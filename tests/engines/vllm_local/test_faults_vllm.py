@@ -30,8 +30,14 @@ pytestmark = pytest.mark.vllm
 def engine_core_pids(exclude: set[int]) -> list[int]:
     """EngineCore processes among this process's children, except those in ``exclude`` (other engines, such
     as the session engine, are children too)."""
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if p.pid not in exclude and "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in exclude and "EngineCore" in " ".join(p.cmdline()) + p.name():
+                out.append(p.pid)
+        except psutil.NoSuchProcess:  # exited while we looked (a zombie too)
+            pass
+    return out
 
 
 def config() -> PipelineConfig:

@@ -4,6 +4,7 @@ log go with it. Killed while the server starts, and while it serves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from asyncrl.engines.rpc_dir import ENV, PREFIX
 from asyncrl.engines.vllm_remote.process import group_members
-from tests.support import SERVER_TEST_ARGS, living
+from tests.support import SERVER_TEST_ARGS, describe, living
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -45,11 +46,12 @@ def dirs() -> Iterator[tuple[Path, Path]]:
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def _until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    # Processes that are not ours give no exit event: re-check every 100 ms up to a deadline.
+def _until(cond, timeout_s: float, what) -> None:  # type: ignore[no-untyped-def]
+    # Processes that are not ours give no exit event: re-check every 100 ms up to a deadline. ``what`` is
+    # called only on failure: the processes it names must be read then, not while they are still exiting.
     deadline = time.monotonic() + timeout_s
     while not cond():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what()
         time.sleep(0.1)
 
 
@@ -70,21 +72,24 @@ def test_a_server_dies_with_its_starter_killed_by_sigkill(tiny_model_dir: Path, 
         if when == "serving":
             assert starter.stdout is not None and starter.stdout.readline(), "the starter failed"
         else:  # the API server has bound its first socket: EngineCore and worker are on their way
-            _until(lambda: list(base.glob(f"{PREFIX}*/*")) or starter.poll() is not None, 400, "no socket bound")
+            _until(lambda: list(base.glob(f"{PREFIX}*/*")) or starter.poll() is not None, 400,
+                   lambda: "no socket bound")
             assert starter.poll() is None, "the starter failed"
         tree = _tree(starter)
         pgid = os.getpgid(tree[0].pid)
-        assert len(tree) >= (4 if when == "serving" else 2), [p.cmdline()[:3] for p in tree]
+        assert len(tree) >= (4 if when == "serving" else 2), describe(tree)
         assert list(base.iterdir()) and list(temp.glob("vllm-server-*.log"))
         starter.send_signal(signal.SIGKILL)
         starter.wait()
         _until(lambda: not living(tree) and not group_members(pgid), 60,
-               f"outlived their starter: {[p.cmdline()[:3] for p in living(tree)]}")
+               lambda: f"outlived their starter: {describe(living(tree))}")
         logs = lambda: list(temp.glob("vllm-server-*.log"))  # noqa: E731
-        _until(lambda: not list(base.iterdir()) and not logs(), 10, f"left behind: {list(base.iterdir())} {logs()}")
+        _until(lambda: not list(base.iterdir()) and not logs(), 10,
+               lambda: f"left behind: {list(base.iterdir())} {logs()}")
     finally:
         starter.kill()
         for proc in living(tree):  # the old code's orphans: leave none to the next test
-            proc.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
         if pgid is not None and group_members(pgid):
             os.killpg(pgid, signal.SIGKILL)
