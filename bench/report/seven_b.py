@@ -142,8 +142,11 @@ def not_yet_run(results_dir: Path) -> list[str]:
     runs = _runs(results_dir, repeats=False)
     out = []
     if not _ours_where(results_dir, share_base=True):
-        out.append("The base held once (`--share-base`: the learner maps the engine's weights) has not run on a GPU "
-                   "(`run_7b.sh 570 shared`, after `pytest -m gpu tests/lora/test_lora_gpu.py`).")
+        passed = _gpu_test_passed(results_dir, "gpu_tests_shared_base_*.log")
+        status = (f"passed its GPU test ({passed}) but has not run at 7B, so its whole-GPU peak is not measured "
+                  "(`run_7b.sh 570 shared`)." if passed else
+                  "has not run on a GPU (`run_7b.sh 570 shared`, after `pytest -m gpu tests/lora/test_lora_gpu.py`).")
+        out.append(f"The base held once (`--share-base`: the learner maps the engine's weights) {status}")
     if not any((r.get(SHAPE, {}).get("ours", {}).get("alone_lora") or {}).get("adapter") for r, _, _, _ in runs):
         out.append("The engine alone has been measured without an adapter only, so the bound above leaves out the "
                    "adapter's kernels; `run_7b.sh 570 share` measures it serving one.")
@@ -154,6 +157,20 @@ def not_yet_run(results_dir: Path) -> list[str]:
         out.append("`adamw_bf16`'s compiled step is measured on the CPU only (BENCHMARKS.md), not yet on a GPU "
                    "(`run_7b.sh 570 optim`).")
     return out
+
+
+def _gpu_test_passed(results_dir: Path, pattern: str) -> str | None:
+    """Where a GPU test log matching ``pattern`` shows every test passed: the tests, the device line of its header
+    and the file, for a citation; else None."""
+    for path in sorted(results_dir.glob(pattern)):
+        text = path.read_text()
+        tests = re.findall(r"^(tests/\S+) PASSED", text, re.M)
+        device = re.search(r"^# device: (.+)$", text, re.M)
+        if tests and re.search(r"^=+ \d+ passed", text, re.M) and not re.search(r"\d+ (failed|error)", text):
+            where = f", {device.group(1)}" if device else ""
+            shown = path.relative_to(common.ROOT) if path.is_relative_to(common.ROOT) else path
+            return f"`{'`, `'.join(tests)}`: log in `{shown}`{where}"
+    return None
 
 
 def share_line(side: dict[str, Any], alone: dict[str, Any] | None) -> str:

@@ -175,6 +175,24 @@ def test_a_run_on_the_lent_base_gets_its_own_line_and_memory_column(q7_copy):
     assert "base held once: the learner holds the adapter alone" in table
 
 
+def test_the_lent_bases_gpu_test_is_cited_only_where_its_log_shows_every_test_passed(q7_copy):
+    """Before any 7B run on the lent base, a GPU test log of it is cited where all its tests passed, with the
+    device its header names; a log with a failure is not."""
+    shape, write = q7_copy
+    work = write(shape)
+    head = "# device: NVIDIA H100 80GB HBM3; vllm 0.26.0\n"
+    test = "tests/lora/test_lora_gpu.py::test_gpu_policy_trains_on_the_engines_base"
+    log = work / "gpu_tests_shared_base_h100.log"
+    log.write_text(f"{head}{test} PASSED [100%]\n==== 1 passed, 1 deselected in 111.87s ====\n")
+    missing = seven_b.missing_paragraph(work)
+    assert (f"passed its GPU test (`{test}`: log in `{log.relative_to(common.ROOT)}`, NVIDIA H100 80GB HBM3; vllm "
+            "0.26.0) but has not run at 7B") in missing
+    log.write_text(f"{head}{test} FAILED [100%]\n==== 1 failed, 1 deselected in 111.87s ====\n")
+    assert "has not run on a GPU (`run_7b.sh 570 shared`" in seven_b.missing_paragraph(work)
+    log.write_text(f"{head}{test} PASSED [100%]\nother FAILED\n==== 1 passed, 1 failed in 111.87s ====\n")
+    assert "passed its GPU test" not in seven_b.missing_paragraph(work)
+
+
 def test_a_trl_side_cut_short_is_compared_over_the_steps_both_ran(q7_copy):
     """Rewards rise as a run trains: TRL's first two steps are set beside ours' first two, not ours' whole run."""
     shape, write = q7_copy
