@@ -215,3 +215,20 @@ def test_no_engine_starts_when_none_of_its_sides_would_end_in_time(tmp_path):
     asyncio.run(ours(args, tmp_path / "no-model-here", report, out, "fp8"))
     assert report.skipped == ["async_fp8"]
     assert "engine_start_s_fp8" not in out and "async_fp8" not in out
+
+
+def test_the_precompile_twin_shares_the_frozen_weights_and_copies_the_trained_ones():
+    """The learner is compiled on a throwaway twin: a LoRA base is shared, not copied (a second 7B base on the GPU),
+    while what trains is the twin's own, so warming it up leaves the policy as it was."""
+    from bench.gpu.workload import throwaway_twin
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    twin = throwaway_twin(model)
+    assert twin[0].weight is model[0].weight and twin[0].bias is model[0].bias
+    assert twin[1].weight is not model[1].weight and torch.equal(twin[1].weight, model[1].weight)
+    before = model[1].weight.detach().clone()
+    twin(torch.ones(3, 4)).sum().backward()
+    torch.optim.SGD(twin.parameters(), lr=1.0).step()
+    assert torch.equal(model[1].weight, before) and model[1].weight.grad is None
+    assert not torch.equal(twin[1].weight, before)
