@@ -45,11 +45,9 @@ def child_pids() -> set[int]:
 
     out = set()
     for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.NoSuchProcess:
-            pass
+        line = command_line(p)
+        if line is not None and "resource_tracker" not in line:
+            out.add(p.pid)
     return out
 
 
@@ -118,15 +116,18 @@ def living(procs):  # type: ignore[no-untyped-def]
     return alive
 
 
-def describe(procs):  # type: ignore[no-untyped-def]
-    """The first words of each process's command line, for a failure message; one that exited meanwhile (a
-    zombie included: psutil's ZombieProcess is a NoSuchProcess) reads as gone."""
+def command_line(proc):  # type: ignore[no-untyped-def]
+    """``proc``'s command line (a psutil process or a pid), or None once it has exited: a zombie included, its
+    command line is gone (psutil's ZombieProcess is a NoSuchProcess)."""
     import psutil
 
-    out = []
-    for proc in procs:
-        try:
-            out.append(" ".join(proc.cmdline()[:3]))
-        except psutil.NoSuchProcess:
-            out.append(f"{proc.pid}: gone")
-    return out
+    try:
+        return " ".join((psutil.Process(proc) if isinstance(proc, int) else proc).cmdline())
+    except psutil.NoSuchProcess:
+        return None
+
+
+def describe(procs):  # type: ignore[no-untyped-def]
+    """Each process (psutil's, or a pid) as its pid and the start of its command line, for a failure message;
+    one that exited meanwhile reads as gone."""
+    return [f"{getattr(p, 'pid', p)}: {(command_line(p) or 'gone')[:120]}" for p in procs]

@@ -20,7 +20,7 @@ from asyncrl.algorithms.losses import GRPOLoss, Loss, LossConfig, LossOutput
 from asyncrl.recipes import grpo_pipeline
 from asyncrl.testing.tasks import arithmetic
 from asyncrl.groups import RewardGroups
-from tests.support import child_pids, load_hf_model
+from tests.support import child_pids, describe, load_hf_model
 
 # -- on the FakeEngine ------------------------------------------------------------------------------------------
 
@@ -143,17 +143,7 @@ def _assert_no_children(before: set[int], timeout_s: float = 10.0) -> None:
     while leftover and time.monotonic() <= deadline:
         psutil.wait_procs([psutil.Process(p) for p in leftover if psutil.pid_exists(p)], timeout=0.5)
         leftover = child_pids() - before
-    assert not leftover, f"processes left behind: {_describe(leftover)}"
-
-
-def _describe(pids: set[int]) -> list[str]:
-    out = []
-    for pid in pids:
-        try:
-            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
-        except psutil.NoSuchProcess:
-            out.append(f"{pid}: gone")
-    return out
+    assert not leftover, f"processes left behind: {describe(leftover)}"
 
 
 # -- the event loop's lag ---------------------------------------------------------------------------------------

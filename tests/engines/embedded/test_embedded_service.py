@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from asyncrl.engines.vllm_remote.process import free_port
+from tests.support import command_line
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -154,14 +155,7 @@ async def stop(child: Child, sig: signal.Signals) -> float:
 
 def engine_processes(child: Child) -> list[psutil.Process]:
     """The child's live descendants, but multiprocessing's resource tracker (it lives as long as its parent)."""
-    out = []
-    for p in child.tree()[1:]:
-        try:
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    return [p for p in child.tree()[1:] if (line := command_line(p)) is not None and "resource_tracker" not in line]
 
 
 async def probe_latency(session: aiohttp.ClientSession, urls: dict[str, str],

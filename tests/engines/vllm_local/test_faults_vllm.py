@@ -4,6 +4,7 @@ fails part-way, and a learner that fails during a sync."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -32,11 +33,9 @@ def engine_core_pids(exclude: set[int]) -> list[int]:
     as the session engine, are children too)."""
     out = []
     for p in psutil.Process().children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited while we looked (a zombie too)
             if p.pid not in exclude and "EngineCore" in " ".join(p.cmdline()) + p.name():
                 out.append(p.pid)
-        except psutil.NoSuchProcess:  # exited while we looked (a zombie too)
-            pass
     return out
 
 
